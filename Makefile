@@ -27,7 +27,7 @@ reproduce: setup
 	$(BIN)/python -m xpress run --preset $(PRESET)
 
 test: setup
-	XPRESS_PRESET=smoke $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
+	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
 		--nbval-cell-timeout 900 tests notebooks $(PYTEST_ARGS)
 
 test-slow: setup

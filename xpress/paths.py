@@ -11,7 +11,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
 DATA = REPO_ROOT / "data"
-RESULTS = REPO_ROOT / "results"
+# ``$XPRESS_RESULTS`` redirects results (``make test`` does, so test runs never touch the committed ones)
+RESULTS = Path(os.environ.get("XPRESS_RESULTS", REPO_ROOT / "results")).expanduser().resolve()
 FIGURES = RESULTS / "figures"
 CHECKPOINTS = REPO_ROOT / "checkpoints"
 NOTEBOOKS = REPO_ROOT / "notebooks"

@@ -22,7 +22,11 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,6 +34,7 @@ def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -38,7 +43,7 @@ def _atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
@@ -50,7 +55,7 @@ def atomic_write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
 
 
 def atomic_torch_save(path: str | os.PathLike, obj: Any) -> Path:
-    return _atomic(path, lambda tmp: torch.save(obj, tmp))
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
@@ -58,7 +63,7 @@ def atomic_save_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Te
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 @contextmanager
@@ -69,7 +74,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o755)
+    tmp.chmod(0o777 & ~_UMASK)
     try:
         yield tmp
         if path.exists():

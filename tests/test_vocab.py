@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from xpress import DraftVocab
+
+
+def test_full_is_identity():
+    v = DraftVocab.full(10)
+    ids = torch.tensor([[0, 3, 9]])
+    assert v.size == 10 and v.is_identity
+    assert torch.equal(v.to_target(ids), ids) and torch.equal(v.to_draft(ids), ids)
+    q = torch.softmax(torch.randn(2, 10), -1)
+    assert torch.equal(v.to_target_probs(q), q)
+
+
+def test_from_ids_maps_both_ways():
+    v = DraftVocab.from_ids([7, 2, 5], 10)
+    assert v.size == 3 and not v.is_identity
+    assert torch.equal(v.to_target(torch.tensor([0, 1, 2])), torch.tensor([7, 2, 5]))
+    assert torch.equal(v.to_draft(torch.tensor([5, 7, 3])), torch.tensor([2, 0, -1]))
+    assert torch.equal(v.contains(torch.tensor([2, 3])), torch.tensor([True, False]))
+    # heads read out-of-vocabulary previous tokens (e.g. the anchor) from the extra row Vd
+    assert torch.equal(v.input_index(torch.tensor([[5, 3, 7]])), torch.tensor([[2, 3, 0]]))
+
+
+def test_from_counts_keeps_frequent_and_special():
+    counts = torch.zeros(20)
+    counts[[4, 9, 11, 15]] = torch.tensor([5.0, 50.0, 7.0, 7.0])
+    v = DraftVocab.from_counts(counts, 4, always=[19])
+    assert v.d2t.tolist() == [9, 11, 15, 19]  # most frequent (tie 11/15 both kept), EOS always, id order
+    v = DraftVocab.from_counts(counts, 3, always=[19])
+    assert v.d2t.tolist() == [9, 11, 19]  # tie broken towards the lower id
+    with pytest.raises(ValueError):
+        DraftVocab.from_counts(counts, 0)
+
+
+def test_rejects_bad_ids():
+    with pytest.raises(ValueError):
+        DraftVocab.from_ids([1, 1], 5)
+    with pytest.raises(ValueError):
+        DraftVocab.from_ids([5], 5)
+
+
+def test_to_target_probs_zero_outside():
+    v = DraftVocab.from_ids([7, 2, 5], 10)
+    q = torch.softmax(torch.randn(2, 4, 3), -1)
+    p = v.to_target_probs(q)
+    assert p.shape == (2, 4, 10)
+    assert torch.allclose(p.sum(-1), torch.ones(2, 4))
+    assert torch.equal(p[..., [7, 2, 5]], q)
+    assert p[..., [0, 1, 3, 4, 6, 8, 9]].abs().sum() == 0
+
+
+def test_save_load_roundtrip(tmp_path):
+    v = DraftVocab.from_ids([7, 2, 5], 10)
+    v.save(tmp_path / "draft_vocab.safetensors")
+    w = DraftVocab.load(tmp_path / "draft_vocab.safetensors")
+    assert w == v and w.target_size == 10
+    assert DraftVocab.from_state_dict(v.state_dict()) == v

@@ -1,0 +1,437 @@
+"""The dFlash block-diffusion drafter (arXiv 2602.06036), compatible with the released checkpoints.
+
+``DFlashDraftModel`` is a small Qwen3-style decoder (RMSNorm'd q/k per head, grouped-query attention,
+SwiGLU MLP, pre-norm residual layers, rotary positions) with NO embedding and NO LM head of its own: it
+reads its input embeddings from the target's frozen ``embed_tokens`` and scores with the target's frozen
+``lm_head`` (:meth:`DFlashDraftModel.attach`); neither is saved with the drafter.
+
+Shapes: ``b`` batch, ``L`` context length, ``nb`` blocks per sequence, ``B`` block size, ``H`` hidden,
+``F = len(target_layer_ids) * H`` context-feature width, ``nh``/``kvh`` query/key-value heads, ``d`` head dim.
+
+KV injection. A context token's target features become ``ctx = hidden_norm(fc(features))`` [b, L, H]
+once; in EVERY layer the keys are ``cat(k_proj(ctx), k_proj(block))`` (each k_norm'd, then rotated at its
+own absolute position) and the values likewise, while queries come from the block only. The context is
+not updated from layer to layer, so its per-layer keys and values are computed once per token and cached
+(:class:`ContextCache`). A block is ``[anchor, MASK x (B-1)]`` at positions ``anchor_pos .. +B-1``; it sees
+the valid context keys strictly before the anchor and attends bidirectionally within itself. The hidden
+state at block position ``k`` (after the final ``norm``) predicts the token AT ``anchor_pos + k`` (no shift);
+base logits are read at positions ``1 .. B-1``.
+
+One masked attention serves training and inference: training runs ``nb`` anchor blocks per sequence in
+one forward over the whole context (:meth:`DFlashDraftModel.encode_context` then ``forward``), inference
+runs one block per sequence against the cached context. Ragged batches are masked entries
+(``ContextCache.valid``) with explicit positions, so padding holes are harmless.
+
+Mask token. When ``config.mask_token_id`` is set (Qwen3: 151669, the first row past the tokenizer), the
+MASK input is that row of the target's embedding. A target without a spare row (SmolLM2: exactly 49152
+rows, all tokens) gets a learned ``mask_embedding`` [H] parameter owned by the drafter, stored as an extra
+tensor ``mask_embedding`` in ``model.safetensors`` with ``dflash_config.mask_token_id = null``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import paths
+from .utils import atomic_save_safetensors, atomic_write_json
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A drafter checkpoint that is not where it was looked for; the message says how to get one."""
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter that does not fit the target it is paired with; the message names both values."""
+
+
+# ------------------------------------------------------------------------------------------- config
+@dataclass
+class DFlashConfig:
+    """The drafter's shape; :meth:`to_json` writes the released ``config.json`` layout."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    num_target_layers: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    vocab_size: int = 0
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: the drafter owns a learned `mask_embedding`
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        dflash = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d, "dflash_config": dflash,
+                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+                "layer_types": ["full_attention"] * self.num_hidden_layers}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Read a released (or our own) ``config.json``; unknown keys are ignored."""
+        dflash = d.get("dflash_config") or {}
+        heads = int(d["num_attention_heads"])
+        theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
+        return cls(
+            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            num_hidden_layers=int(d["num_hidden_layers"]), num_target_layers=int(d["num_target_layers"]),
+            target_layer_ids=[int(i) for i in dflash["target_layer_ids"]], vocab_size=int(d["vocab_size"]),
+            block_size=int(d.get("block_size", 16)), mask_token_id=dflash.get("mask_token_id"),
+            rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)))
+
+
+# ------------------------------------------------------------------------------------------ layers
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` over the last dim, computed in float32 (Qwen3's RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))  # [dim]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for absolute ``positions`` [b, n]: cos, sin [b, 1, n, head_dim] (half-split layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # [b, n, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [b, 1, n, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [b, heads, n, d] by the tables of :func:`rope`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention of block queries over [context keys, block keys]."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.nh, self.kvh, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kvh * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, n, H] -> keys (k_norm, then RoPE), values: [b, kvh, n, d] each."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.kvh, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kvh, self.d).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [b, n, H] (block), ctx_k/ctx_v [b, kvh, L, d], mask [b, 1, n, L + n] bool (True = attend)
+        -> [b, n, H]."""
+        b, n, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.nh, self.d)).transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, nh, n, d]
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual attention + MLP; 11 tensors."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ------------------------------------------------------------------------------------------ context
+@dataclass
+class ContextCache:
+    """The drafter's context: per-layer keys/values of the injected target features.
+
+    keys, values: one [b, kvh, L, d] tensor per drafter layer; positions [b, L] int64 absolute positions;
+    valid [b, L] bool (False = padding of a ragged batch, never attended). Grows by concatenation; padded
+    entries stay in place as masked holes.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    def append(self, other: "ContextCache") -> "ContextCache":
+        """This context followed by ``other`` (same batch), along L."""
+        return ContextCache(
+            keys=[torch.cat([a, b], dim=2) for a, b in zip(self.keys, other.keys)],
+            values=[torch.cat([a, b], dim=2) for a, b in zip(self.values, other.values)],
+            positions=torch.cat([self.positions, other.positions], dim=1),
+            valid=torch.cat([self.valid, other.valid], dim=1))
+
+
+def block_attention_mask(ctx_positions: torch.Tensor, ctx_valid: torch.Tensor, anchor_pos: torch.Tensor,
+                         block_size: int) -> torch.Tensor:
+    """Who block tokens attend to: [b, 1, nb*B, L + nb*B] bool for ``nb`` blocks per sequence.
+
+    ctx_positions, ctx_valid: [b, L]; anchor_pos: [b, nb]. A token of block ``a`` sees the valid context
+    keys at positions strictly before ``anchor_pos[a]`` and every token of its own block.
+    """
+    b, nb = anchor_pos.shape
+    ctx = ctx_valid[:, None, :] & (ctx_positions[:, None, :] < anchor_pos[:, :, None])  # [b, nb, L]
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [b, nb*B, L]
+    which = torch.arange(nb * block_size, device=anchor_pos.device) // block_size  # [nb*B]
+    own = (which[:, None] == which[None, :]).expand(b, -1, -1)  # [b, nb*B, nb*B]
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+# -------------------------------------------------------------------------------------------- model
+class DFlashDraftModel(nn.Module):
+    """The dFlash drafter. Tensor names follow the released checkpoint (58 tensors for 5 layers):
+    ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+    ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+    ``fc.weight`` [H, F], ``hidden_norm.weight``, ``norm.weight``, and ``mask_embedding`` [H] only when
+    ``config.mask_token_id`` is None.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(nn.init.normal_(torch.empty(c.hidden_size), std=0.02))  # [H]
+        # the target's frozen (embed_tokens, lm_head): a plain tuple, so neither is a submodule, trained or saved
+        self._target_io: tuple[nn.Embedding, nn.Linear] | None = None
+
+    # ------------------------------------------------------------------------------- target binding
+    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "DFlashDraftModel":
+        """Use the target's ``embed_tokens`` [V, H] and ``lm_head`` [V, H] (not copied, not saved)."""
+        self._target_io = (embed_tokens, lm_head)
+        return self
+
+    def _io(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._target_io is None:
+            raise RuntimeError("the drafter has no target embeddings: call drafter.attach(target.embed_tokens(), "
+                               "target.lm_head()) (from_target/from_pretrained(target=...) do it)")
+        return self._target_io
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    # ---------------------------------------------------------------------------------------- forward
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    def encode_context(self, features: torch.Tensor, positions: torch.Tensor,
+                       valid: torch.Tensor | None = None) -> ContextCache:
+        """Target features [b, L, F] at absolute ``positions`` [b, L] -> the per-layer context K/V.
+        ``valid`` [b, L] bool marks real entries (default: all)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [b, L, H]
+        cos, sin = self._rope(positions)
+        kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+        if valid is None:
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        return ContextCache([k for k, _ in kv], [v for _, v in kv], positions, valid)
+
+    def empty_context(self, batch: int, device: torch.device | str | None = None) -> ContextCache:
+        """A context of length 0 for ``batch`` sequences."""
+        device = device or self.fc.weight.device
+        c, n = self.config, len(self.layers)
+        empty = torch.zeros(batch, c.num_key_value_heads, 0, c.head_dim, dtype=self.dtype, device=device)
+        return ContextCache([empty] * n, [empty] * n, torch.zeros(batch, 0, dtype=torch.int64, device=device),
+                            torch.zeros(batch, 0, dtype=torch.bool, device=device))
+
+    def embed_block(self, anchor: torch.Tensor) -> torch.Tensor:
+        """Anchor target ids [b, nb] -> block inputs [b, nb*B, H]: each block ``[anchor, MASK x (B-1)]``."""
+        embed, _ = self._io()
+        b, nb = anchor.shape
+        B, H = self.block_size, self.config.hidden_size
+        mask = self.mask_embedding if self.config.mask_token_id is None else embed.weight[self.config.mask_token_id]
+        x = torch.cat([embed(anchor).to(self.dtype)[:, :, None], mask.to(self.dtype).expand(b, nb, B - 1, H)], dim=2)
+        return x.reshape(b, nb * B, H)
+
+    def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, context: ContextCache) -> torch.Tensor:
+        """Denoise ``nb`` blocks per sequence in one pass.
+
+        anchor, anchor_pos: [b, nb] int64 (target ids, absolute positions); context: the sequence's
+        context (:meth:`encode_context`, or the inference cache). Returns the final-normed block hidden
+        states [b, nb, B, H]; ``[:, :, 1:]`` are the drafted positions that :meth:`base_logits` reads.
+        """
+        b, nb = anchor.shape
+        B = self.block_size
+        x = self.embed_block(anchor)  # [b, nb*B, H]
+        pos = (anchor_pos[:, :, None] + torch.arange(B, device=anchor.device)).reshape(b, nb * B)
+        mask = block_attention_mask(context.positions, context.valid, anchor_pos, B)  # [b, 1, nb*B, L+nb*B]
+        cos, sin = self._rope(pos)
+        for layer, k, v in zip(self.layers, context.keys, context.values):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x).view(b, nb, B, -1)
+
+    def base_logits(self, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
+        """Base logits ``s = lm_head.weight[vocab.d2t] @ h``: hidden [..., H] -> float32 [..., Vd]
+        (the full target vocabulary when ``vocab`` is None; the targets' lm_heads have no bias)."""
+        _, lm_head = self._io()
+        w = lm_head.weight if vocab is None or vocab.is_identity else lm_head.weight[vocab.on(hidden.device)[0]]
+        return F.linear(hidden.to(w.dtype), w).float()
+
+    # ------------------------------------------------------------------------------ target matching
+    def check_matches(self, target) -> None:
+        """Raise :class:`DrafterMismatchError` if this drafter cannot run on ``target`` (a Target)."""
+        c = self.config
+        problems = []
+        if c.hidden_size != target.hidden_size:
+            problems.append(f"hidden size: drafter {c.hidden_size}, target {target.hidden_size}")
+        if c.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary: drafter {c.vocab_size}, target {target.vocab_size}")
+        if c.num_target_layers != target.num_layers:
+            problems.append(f"target layers: drafter built for {c.num_target_layers}, target has {target.num_layers}")
+        if list(c.target_layer_ids) != list(target.layer_ids):
+            problems.append(
+                f"feature layers: drafter reads {c.target_layer_ids} (width {len(c.target_layer_ids) * c.hidden_size}), "
+                f"target exposes {target.layer_ids} (width {target.feature_size}); set "
+                f"drafter.num_target_features={len(c.target_layer_ids)} if the layer count is the issue")
+        if problems:
+            raise DrafterMismatchError(
+                f"the drafter does not fit target {target.name!r}: " + "; ".join(problems)
+                + ". Use a drafter trained for this target (or a fresh one: new_drafter / DFlashDraftModel.from_target).")
+
+    @classmethod
+    def from_target(cls, target, cfg) -> "DFlashDraftModel":
+        """A fresh (randomly initialised) drafter shaped for ``target`` (a Target) and ``cfg`` (a Config):
+        hidden size, heads, head dim, RoPE and norm eps from the target; layers, block size and
+        intermediate size (0 = the target's) from ``cfg.drafter``. The MASK input is the first embedding
+        row past the tokenizer when the target has one, else a learned ``mask_embedding``."""
+        tc = target.model.config
+        heads = int(tc.num_attention_heads)
+        rope_params = getattr(tc, "rope_parameters", None) or {}
+        n_tokens = len(target.tokenizer)
+        config = DFlashConfig(
+            hidden_size=target.hidden_size,
+            intermediate_size=cfg.drafter.intermediate_size or int(tc.intermediate_size),
+            num_attention_heads=heads, num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(tc, "head_dim", None) or target.hidden_size // heads),
+            num_hidden_layers=cfg.drafter.num_layers, num_target_layers=target.num_layers,
+            target_layer_ids=list(target.layer_ids), vocab_size=target.vocab_size,
+            block_size=cfg.drafter.block_size,
+            mask_token_id=n_tokens if target.vocab_size > n_tokens else None,
+            rope_theta=float(rope_params.get("rope_theta") or getattr(tc, "rope_theta", None) or 1e6),
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40960)))
+        model = cls(config).to(device=target.device, dtype=target.dtype)
+        return model.attach(target.embed_tokens(), target.lm_head())
+
+    # ---------------------------------------------------------------------------------------- file i/o
+    def save_pretrained(self, folder: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (released layout), each atomically."""
+        folder = Path(folder)
+        config = {**self.config.to_json(), "dtype": str(self.dtype).removeprefix("torch.")}
+        atomic_write_json(folder / "config.json", config)
+        atomic_save_safetensors(folder / "model.safetensors", self.state_dict(), metadata={"format": "pt"})
+        return folder
+
+    @classmethod
+    def from_pretrained(cls, name: str | os.PathLike, target=None, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> "DFlashDraftModel":
+        """Load a drafter from a folder (``config.json`` + ``model.safetensors`` or its sharded index) or a
+        hub id such as ``z-lab/Qwen3-8B-DFlash-b16``. With ``target`` (a Target): checked against it
+        (:meth:`check_matches`), attached to its embeddings, and moved to its device and dtype."""
+        folder = locate_checkpoint(name)
+        config = DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
+        state = _read_state(folder)
+        with torch.device("meta"):
+            model = cls(config)
+        expected, found = set(model.state_dict()), set(state)
+        if expected != found:
+            raise ValueError(f"{folder}: not a DFlashDraftModel of this config; missing tensors "
+                             f"{sorted(expected - found)[:5]}, unexpected {sorted(found - expected)[:5]}")
+        model.load_state_dict(state, assign=True)
+        if target is not None:
+            model.check_matches(target)
+            dtype, device = dtype or target.dtype, device or target.device
+            model.attach(target.embed_tokens(), target.lm_head())
+        return model.to(device=device, dtype=dtype)
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for s in shards for k, v in load_file(str(folder / s)).items()}
+    raise CheckpointNotFoundError(f"{folder} holds no model.safetensors (nor a sharded index); it is not a "
+                                  f"drafter checkpoint: save one with DFlashDraftModel.save_pretrained")
+
+
+def locate_checkpoint(name: str | os.PathLike) -> Path:
+    """A local folder holding ``config.json`` (relative paths: from the repository root), else a hub id
+    downloaded with ``huggingface_hub``. Raises :class:`CheckpointNotFoundError` naming the path."""
+    folder = paths.resolve(name)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise CheckpointNotFoundError(f"{folder} has no config.json: not a drafter checkpoint folder "
+                                          f"(expected config.json + model.safetensors)")
+        return folder
+    text = str(name)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as e:  # offline, unknown repo, no access: one clear message
+            raise CheckpointNotFoundError(
+                f"drafter checkpoint {text!r} is not a local folder ({folder} does not exist) and could not be "
+                f"downloaded from the hub ({e.__class__.__name__}); download it where the hub is reachable "
+                f"(huggingface-cli download {text} --local-dir <folder>) and point drafter.checkpoint at "
+                f"that folder") from None
+    raise CheckpointNotFoundError(f"drafter checkpoint folder {folder} does not exist; give a folder holding "
+                                  f"config.json + model.safetensors, or a hub id such as z-lab/Qwen3-8B-DFlash-b16")

@@ -1,0 +1,229 @@
+"""Correction heads on the drafter's base logits: the xPress refiner (paper Eq. 5-9) and the DSpark Markov
+head (the paper's baseline). Both return a bias ``delta`` added to the base logits ``s_k``; the plain
+drafter (method ``dflash``) has no head.
+
+Indexing. A block is ``x_0 .. x_{B-1}``: ``x_0`` is the anchor (given), ``x_1 .. x_P`` are drafted, with
+``P = B - 1``. Head inputs are the drafter's final-normed hidden states at the drafted positions,
+``h`` [b, P, H] (what the target ``lm_head`` reads), and the previous tokens ``prev`` [b, P] = ``x_0 ..
+x_{P-1}`` in TARGET ids (the anchor may lie outside the draft vocabulary: :meth:`DraftVocab.input_index`).
+Output ``delta`` [b, P, Vd]: row ``i`` corrects the logits of ``x_{i+1}`` and depends on the tokens only
+through ``prev[:, :i+1]`` = ``x_0 .. x_i``. The paper's ``B`` in Eq. 3-8 counts these ``P`` refined positions.
+
+Both heads zero-initialise their vocabulary readout (``W_r``, ``W2``), so a fresh head is the identity
+correction (``delta = 0``): co-training starts from the drafter's own logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .vocab import DraftVocab
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+class XPressRefiner(nn.Module):
+    """The xPress causal refiner ``R = Read . Trans . Mix . Fuse`` (paper Eq. 5-9), rank ``r``.
+
+    Fuse (Eq. 5):  ``a_k = W_in [W_h h_k || W_g g || W_e[x_{k-1}]]``, with ``g`` the mean of ``h`` over the
+                   P refined positions (the final-normed drafter states ``h_1 .. h_P``, anchor excluded).
+    Mix (Eq. 6):   ``c^(d) = (I + L^(d)) a^(d)`` per channel ``d``; ``L`` [r, P, P] is made strictly lower
+                   triangular by masking (``tril(-1)``) on every use, so upper entries never act.
+    Trans (Eq. 7): ``z_k = c_k + W_2 sigma(W_1 c_k)``, ``W_1`` r -> 2r, ``W_2`` 2r -> r, sigma = SiLU (or GELU).
+    Read (Eq. 8):  ``delta_k = W_r z_k`` over the draft vocabulary (``W_r`` [Vd, r], zero at init).
+
+    Attributes map to the paper: ``w_h``, ``w_g`` (r x H), ``w_e`` ((Vd+1) x r rows: ``W_e`` transposed, with
+    the out-of-vocabulary row ``Vd``), ``w_in`` (r x 3r), ``mix`` (L), ``w_1``, ``w_2``, ``w_r``. No biases,
+    as in the equations. ``L`` starts at zero (Mix = identity) and ``W_r`` at zero (delta = 0).
+    """
+
+    def __init__(self, vocab: DraftVocab, hidden_size: int, positions: int, rank: int = 256,
+                 activation: str = "silu"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: use one of {sorted(ACTIVATIONS)}")
+        self.vocab, self.hidden_size, self.positions, self.rank, self.activation = (
+            vocab, hidden_size, positions, rank, activation)
+        r, vd = rank, vocab.size
+        self.w_h = nn.Linear(hidden_size, r, bias=False)
+        self.w_g = nn.Linear(hidden_size, r, bias=False)
+        self.w_e = nn.Embedding(vd + 1, r)
+        self.w_in = nn.Linear(3 * r, r, bias=False)
+        self.mix = nn.Parameter(torch.zeros(r, positions, positions))  # L [r, P, P]; used via tril(-1)
+        self.w_1 = nn.Linear(r, 2 * r, bias=False)
+        self.w_2 = nn.Linear(2 * r, r, bias=False)
+        self.w_r = nn.Linear(r, vd, bias=False)
+        nn.init.zeros_(self.w_r.weight)
+        self._table_key: tuple | None = None
+        self._table: torch.Tensor | None = None
+
+    def config(self) -> dict:
+        """Constructor arguments (besides the vocabulary), for ``head.json``."""
+        return {"hidden_size": self.hidden_size, "positions": self.positions, "rank": self.rank,
+                "activation": self.activation}
+
+    def mixer(self) -> torch.Tensor:
+        """``I + L`` with ``L`` strictly lower triangular: [r, P, P]."""
+        eye = torch.eye(self.positions, dtype=self.mix.dtype, device=self.mix.device)
+        return eye + self.mix.tril(-1)
+
+    def trans_read(self, c: torch.Tensor) -> torch.Tensor:
+        """Trans then Read (Eq. 7-8): c [..., r] -> delta [..., Vd] (float32)."""
+        z = c + self.w_2(ACTIVATIONS[self.activation](self.w_1(c)))
+        return self.w_r(z).float()
+
+    def forward(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced correction for all positions at once: h [b, P, H], prev [b, P] target ids
+        (``x_0 .. x_{P-1}``) -> delta [b, P, Vd]."""
+        return self.from_embeddings(h, self.w_e(self.vocab.input_index(prev)))
+
+    def from_embeddings(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Fuse, Mix, Trans, Read as written in the paper, from token embeddings ``e`` [b, P, r]
+        (``W_e[x_{k-1}]``) and h [b, P, H] -> delta [b, P, Vd]. (Lets autograd look at d delta / d e.)"""
+        g = self.w_g(h.mean(dim=1, keepdim=True)).expand(-1, h.shape[1], -1)  # [b, P, r]
+        a = self.w_in(torch.cat([self.w_h(h), g, e], dim=-1))  # Fuse: [b, P, r]
+        c = torch.einsum("dkj,bjd->bkd", self.mixer(), a)  # Mix: c_k = sum_{j<=k} (I+L)_{kj} a_j
+        return self.trans_read(c)
+
+    # ------------------------------------------------------------------------------------ inference
+    def token_table(self) -> torch.Tensor:
+        """The folded token table ``W_e`` through the token third of ``W_in``: [Vd+1, r]. Depends only
+        on the weights, so it is kept until they change (tracked by tensor identity and version)."""
+        w_e, w_in = self.w_e.weight, self.w_in.weight
+        key = (w_e.data_ptr(), w_e._version, w_in.data_ptr(), w_in._version)
+        if key != self._table_key:
+            with torch.no_grad():
+                self._table = w_e @ w_in[:, 2 * self.rank:].T
+            self._table_key = key
+        return self._table
+
+    @torch.no_grad()
+    def fold(self, h: torch.Tensor) -> "FoldedRefiner":
+        """The inference operator for one batch of blocks, h [b, P, H] (paper 4.1, "Low overhead").
+
+        Fuse and Mix are linear, so ``c = (I+L)(u + E[x])`` splits into a token-independent part
+        ``(I+L) u`` with ``u_k = W_in,h W_h h_k + W_in,g W_g g``, computed here once per block, and the
+        folded token table ``E`` (:meth:`token_table`). A Jacobi pass is then a gather, one mixing
+        contraction, Trans and Read.
+        """
+        r, w_in = self.rank, self.w_in.weight
+        u = F.linear(self.w_h(h), w_in[:, :r]) + F.linear(self.w_g(h.mean(dim=1, keepdim=True)), w_in[:, r:2 * r])
+        m = self.mixer()
+        return FoldedRefiner(self, base=torch.einsum("dkj,bjd->bkd", m, u), mixer=m, table=self.token_table())
+
+
+@dataclass
+class FoldedRefiner:
+    """An :class:`XPressRefiner` folded for one batch of blocks (:meth:`XPressRefiner.fold`).
+
+    base: [b, P, r] the mixed token-independent part; mixer: [r, P, P] ``I + L``; table: [Vd+1, r].
+    Inference only (built without gradients).
+    """
+
+    head: XPressRefiner
+    base: torch.Tensor
+    mixer: torch.Tensor
+    table: torch.Tensor
+
+    def __call__(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None
+                 ) -> torch.Tensor:
+        """delta for the batch ``rows`` [n] (default all) from prev [n, P] target ids: [n, P, Vd], or
+        only position ``k`` (0-based, reading ``prev[:, :k+1]``): [n, Vd]."""
+        base = self.base if rows is None else self.base[rows]
+        idx = self.head.vocab.input_index(prev)
+        if k is None:
+            c = base + torch.einsum("dkj,njd->nkd", self.mixer, self.table[idx])
+        else:
+            c = base[:, k] + torch.einsum("dj,njd->nd", self.mixer[:, k, :k + 1], self.table[idx[:, :k + 1]])
+        return self.head.trans_read(c)
+
+
+class MarkovHead(nn.Module):
+    """The DSpark Markov head (arXiv 2607.05147): ``bias_k = W2 W1[x_{k-1}]``.
+
+    ``w_1``: (Vd+1) x r embedding of the previous token (row ``Vd`` for tokens outside the draft
+    vocabulary), ``w_2``: r -> Vd linear, zero at init. At inference the P positions are decoded one after
+    another (``sequential_refine``): each bias needs the token just chosen before it.
+    """
+
+    def __init__(self, vocab: DraftVocab, rank: int = 256):
+        super().__init__()
+        self.vocab, self.rank = vocab, rank
+        self.w_1 = nn.Embedding(vocab.size + 1, rank)
+        self.w_2 = nn.Linear(rank, vocab.size, bias=False)
+        nn.init.zeros_(self.w_2.weight)
+
+    def config(self) -> dict:
+        return {"rank": self.rank}
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [b, n] target ids -> bias [b, n, Vd] (float32), each row from its own previous token."""
+        return self.w_2(self.w_1(self.vocab.input_index(prev))).float()
+
+    def bias(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
+        """The same correction interface as :class:`FoldedRefiner`: prev [n, P] -> [n, P, Vd], or only
+        position ``k``: [n, Vd] (``rows`` is irrelevant: the head has no per-block state)."""
+        return self(prev) if k is None else self(prev[:, k])
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def dependency_matrices(refiner: XPressRefiner, h: torch.Tensor, prev: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each correction reads, measured with autograd on one block: h [P, H], prev [P] target ids.
+
+    Returns ``tokens`` [P, P] = sum |d delta_k / d W_e[x_j]| and ``hidden`` [P, P] = sum |d delta_k / d h_j|
+    (summed over the vocabulary and the input features). Row ``i`` is refined position ``k = i + 1``;
+    token column ``j`` is ``x_j`` (j = 0 .. P-1, ``x_0`` the anchor), hidden column ``j`` is ``h_{j+1}``.
+    An entry is exactly zero when the output does not depend on that input.
+    """
+    e = refiner.w_e(refiner.vocab.input_index(prev[None])).detach()  # [1, P, r]
+    je, jh = torch.autograd.functional.jacobian(lambda e, h: refiner.from_embeddings(h, e), (e, h[None]),
+                                                vectorize=True)  # [1, P, Vd, 1, P, r], [1, P, Vd, 1, P, H]
+    return je.abs().sum(dim=(0, 2, 3, 5)), jh.abs().sum(dim=(0, 2, 3, 5))
+
+
+# ------------------------------------------------------------------------------------------ counting
+def count_params(module: nn.Module) -> int:
+    """Number of parameter elements (works on the meta device)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def count_flops(method: str, vocab_size: int, hidden_size: int, rank: int, block_size: int,
+                iters: int | None = None) -> dict[str, int]:
+    """Refinement cost per block at inference, as implemented (FLOPs = 2 x multiply-adds; gathers,
+    argmax and element-wise ops not counted).
+
+    method ``xpress`` (folded, :class:`FoldedRefiner`; ``iters`` = K Jacobi passes, default P) or
+    ``markov`` (P serial steps of one position). Returns ``setup`` (once per block: xPress fold),
+    ``per_pass`` (one Jacobi pass over all P positions / one Markov step), ``passes`` (dependent steps),
+    ``total`` and ``weights_read`` (parameter elements streamed per block: the vocabulary readout is read
+    once per pass, which dominates latency at batch 1). The folded token table costs ``2 (Vd+1) r^2`` once
+    per weight update and is not counted.
+    """
+    v, h, r, p = vocab_size, hidden_size, rank, block_size - 1
+    if method == "xpress":
+        setup = 2 * (p * h * r + h * r + p * r * r + r * r + r * p * p)  # W_h h, W_g g, W_in (h, g), Mix
+        per_pass = 2 * (r * p * p + 4 * p * r * r + p * r * v)  # Mix of tokens, Trans, Read
+        passes = p if iters is None else iters
+        per_pass_weights = r * p * p + 4 * r * r + r * v
+        setup_weights = 2 * h * r + 2 * r * r
+    elif method == "markov":
+        setup, per_pass, passes = 0, 2 * r * v, p
+        per_pass_weights, setup_weights = r * v + r, 0
+    else:
+        raise ValueError(f"method={method!r}: use xpress or markov")
+    return {"setup": setup, "per_pass": per_pass, "passes": passes, "total": setup + passes * per_pass,
+            "weights_read": setup_weights + passes * per_pass_weights}
+
+
+def randomize_(module: nn.Module, scale: float = 1.0, generator: torch.Generator | None = None) -> nn.Module:
+    """Fill every parameter with N(0, scale^2 / fan_in), fan_in = its last dim (1 for vectors), in place.
+    For property checks on untrained heads, whose zero readout would make delta identically 0."""
+    with torch.no_grad():
+        for p in module.parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale / fan_in ** 0.5)
+    return module

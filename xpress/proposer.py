@@ -1,0 +1,222 @@
+"""``ModelDrafter``: the dFlash drafter plus an optional correction head, behind the drafter protocol
+(:mod:`xpress.protocol`), and its checkpoints.
+
+Methods:
+  ``dflash``  the plain drafter: greedy argmax of the base logits at T=0, independent samples of
+              ``softmax(s / T)`` at T>0 (``q`` = that softmax).
+  ``markov``  DSpark's Markov head, decoded left to right (B-1 serial steps).
+  ``xpress``  the xPress refiner, resolved by Jacobi passes (at most K = ``cfg.head.max_iters``, adaptive);
+              ``refine="sequential"`` decodes it left to right instead (the exact fixed point).
+
+Checkpoint folder (``checkpoints/<preset>/<method>/`` by default): the released dFlash layout
+(``config.json`` + ``model.safetensors``), ``draft_vocab.safetensors`` (absent: the full vocabulary, as for
+a released dFlash checkpoint), and for a head ``head.json`` + ``head.safetensors``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import paths
+from .drafter import CheckpointNotFoundError, ContextCache, DFlashDraftModel
+from .heads import MarkovHead, XPressRefiner
+from .jacobi import (RefineResult, block_noise, corrected_logits, distribution, jacobi_refine, select,
+                     sequential_refine)
+from .protocol import Draft
+from .utils import atomic_dir, atomic_save_safetensors, atomic_write_json
+from .vocab import DraftVocab
+
+__all__ = ["METHODS", "CheckpointNotFoundError", "ModelDrafter", "build_drafter", "new_drafter",
+           "save_drafter", "load_drafter"]
+
+METHODS = ("dflash", "markov", "xpress")
+HEADS = {"markov": MarkovHead, "xpress": XPressRefiner}
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: use one of {', '.join(METHODS)}")
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class ModelDrafter:
+    """A :class:`DFlashDraftModel` (attached to its target) with the head of ``method``; fulfils
+    :class:`xpress.protocol.Drafter` for a batch of sequences, ragged ones included (the context cache
+    keeps padding entries as masked holes)."""
+
+    def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
+                 method: str, max_iters: int = 6, refine: str = "jacobi"):
+        _check_method(method)
+        wanted = HEADS.get(method, type(None))
+        if not isinstance(head, wanted):
+            raise ValueError(f"method {method!r} takes a {wanted.__name__} head, got {type(head).__name__}")
+        if refine not in ("jacobi", "sequential"):
+            raise ValueError(f"refine={refine!r}: use jacobi or sequential")
+        if head is not None and head.vocab != vocab:
+            raise ValueError("the head was built for another draft vocabulary")
+        if isinstance(head, XPressRefiner) and head.positions != drafter.block_size - 1:
+            raise ValueError(f"the refiner mixes {head.positions} positions, the drafter drafts {drafter.block_size - 1}")
+        self.drafter, self.head, self.vocab = drafter, head, vocab
+        self.method, self.max_iters, self.refine = method, max_iters, refine
+        self.block_size = drafter.block_size
+        self.context: ContextCache | None = None  # set by reset()
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.fc.weight.device
+
+    # ------------------------------------------------------------------------------------- protocol
+    def reset(self, prompt_ids: list[list[int]]) -> None:
+        """Start ``len(prompt_ids)`` sequences with an empty context."""
+        self.context = self.drafter.empty_context(len(prompt_ids), self.device)
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor) -> None:
+        """Append the target ``features`` [b, n, F] of committed tokens at ``positions`` [b, n]; ``valid``
+        [b, n] False marks padding (kept as masked entries). The drafter reads features only, not ``tokens``."""
+        if self.context is None:
+            raise RuntimeError("call reset() before extend()")
+        self.context = self.context.append(self.drafter.encode_context(features, positions, valid))
+
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, temperature: float,
+                generator: torch.Generator | None = None) -> Draft:
+        """Draft B-1 tokens after ``anchor`` [b] at ``anchor_pos`` [b]: tokens [b, B-1] target ids, ``q``
+        [b, B-1, V] float32 (None at T=0), timings ``draft``/``refine`` (s), stats ``iters`` [b]."""
+        if self.context is None:
+            raise RuntimeError("call reset() before propose()")
+        t0 = _clock(self.device)
+        h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
+        base = self.drafter.base_logits(h, self.vocab)  # [b, P, Vd]
+        t1 = _clock(self.device)
+        result = self.refine_block(h, base, anchor, temperature, generator)
+        t2 = _clock(self.device)
+        q = None if result.q is None else self.vocab.to_target_probs(result.q)
+        return Draft(tokens=self.vocab.to_target(result.tokens), q=q,
+                     timings={"draft": t1 - t0, "refine": t2 - t1}, stats={"iters": result.iters})
+
+    def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
+                     generator: torch.Generator | None = None) -> RefineResult:
+        """This method's tokens for drafter states h [b, P, H] and base logits [b, P, Vd] (draft ids)."""
+        if self.method == "dflash":
+            noise = block_noise(base, temperature, generator)
+            q = None if noise is None else distribution(base, temperature)
+            return RefineResult(select(base, temperature, noise), q,
+                                torch.zeros(base.shape[0], dtype=torch.int64, device=base.device))
+        correction = self.head.fold(h) if self.method == "xpress" else self.head.bias
+        logits_fn = corrected_logits(base, correction)
+        if self.method == "markov" or self.refine == "sequential":
+            return sequential_refine(logits_fn, base, anchor, temperature, generator, vocab=self.vocab)
+        return jacobi_refine(logits_fn, base, anchor, self.max_iters, temperature, generator, vocab=self.vocab)
+
+
+# ------------------------------------------------------------------------------------- construction
+def default_vocab(cfg, target) -> DraftVocab:
+    """The full vocabulary when ``cfg.drafter.draft_vocab_size`` is 0, else a placeholder of that size: the
+    lowest ids plus the EOS ids. Real runs pass ``DraftVocab.from_counts`` of the regenerated data."""
+    size = cfg.drafter.draft_vocab_size
+    if size == 0:
+        return DraftVocab.full(target.vocab_size)
+    return DraftVocab.from_counts(torch.zeros(target.vocab_size), size, always=target.eos_token_ids)
+
+
+def new_head(method: str, cfg, drafter: DFlashDraftModel, vocab: DraftVocab) -> XPressRefiner | MarkovHead | None:
+    """A fresh head for ``method`` (None for dflash), on the drafter's device and dtype."""
+    _check_method(method)
+    if method == "dflash":
+        return None
+    if method == "xpress":
+        head = XPressRefiner(vocab, drafter.config.hidden_size, drafter.block_size - 1, cfg.head.rank)
+    else:
+        head = MarkovHead(vocab, cfg.head.markov_rank)
+    return head.to(device=drafter.fc.weight.device, dtype=drafter.dtype)
+
+
+def new_drafter(method: str, cfg, target, vocab: DraftVocab | None = None, seed: int = 0,
+                refine: str = "jacobi") -> ModelDrafter:
+    """A :class:`ModelDrafter` with fresh random weights (seeded), shaped by ``cfg`` for ``target``; the
+    head starts as the identity correction. Tests and training start here."""
+    _check_method(method)
+    vocab = vocab or default_vocab(cfg, target)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = DFlashDraftModel.from_target(target, cfg)
+        head = new_head(method, cfg, net, vocab)
+    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine)
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def save_drafter(folder: str | os.PathLike, drafter_net: DFlashDraftModel, head: XPressRefiner | MarkovHead | None,
+                 vocab: DraftVocab, method: str) -> Path:
+    """Write a checkpoint folder in one atomic rename: ``config.json`` + ``model.safetensors`` (released
+    dFlash layout), ``draft_vocab.safetensors``, and for a head ``head.json`` + ``head.safetensors``."""
+    _check_method(method)
+    folder = paths.resolve(folder)
+    with atomic_dir(folder) as tmp:
+        drafter_net.save_pretrained(tmp)
+        vocab.save(tmp / "draft_vocab.safetensors")
+        if head is not None:
+            atomic_save_safetensors(tmp / "head.safetensors", head.state_dict(), metadata={"format": "pt"})
+            atomic_write_json(tmp / "head.json", {"method": method, "class": type(head).__name__,
+                                                  "config": head.config()})
+    return folder
+
+
+def load_drafter(folder: str | os.PathLike, method: str, target, max_iters: int = 6,
+                 refine: str = "jacobi") -> ModelDrafter:
+    """Load a checkpoint folder written by :func:`save_drafter` (or a released dFlash folder for
+    ``dflash``), checked against ``target``."""
+    import json
+
+    from safetensors.torch import load_file
+
+    _check_method(method)
+    folder = paths.resolve(folder)
+    net = DFlashDraftModel.from_pretrained(folder, target=target)
+    vocab_file = folder / "draft_vocab.safetensors"
+    vocab = DraftVocab.load(vocab_file) if vocab_file.is_file() else DraftVocab.full(target.vocab_size)
+    if vocab.target_size != target.vocab_size:
+        raise ValueError(f"{vocab_file}: draft vocabulary of a {vocab.target_size}-token target, "
+                         f"but target {target.name!r} has {target.vocab_size}")
+    head = None
+    if method != "dflash":
+        meta_file, weights = folder / "head.json", folder / "head.safetensors"
+        if not (meta_file.is_file() and weights.is_file()):
+            raise CheckpointNotFoundError(
+                f"{folder} holds a drafter but no {method} head ({meta_file.name} + {weights.name}); train one "
+                f"with `python -m xpress train --preset <preset> --method {method}` (co-training)")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("method") != method:
+            raise ValueError(f"{meta_file}: a {meta.get('method')!r} head, not {method!r}")
+        head = HEADS[method](vocab, **meta["config"])
+        head.load_state_dict(load_file(str(weights)))
+        head = head.to(device=target.device, dtype=net.dtype)
+    return ModelDrafter(net, head, vocab, method, max_iters, refine)
+
+
+def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None = None,
+                  refine: str = "jacobi") -> ModelDrafter:
+    """The trained drafter for ``method``: from ``checkpoint`` (a folder) or ``checkpoints/<preset>/<method>/``;
+    for ``dflash`` with no such folder, from ``cfg.drafter.checkpoint`` (a released checkpoint: hub id or
+    folder). Raises :class:`CheckpointNotFoundError` naming the path and how to get one."""
+    _check_method(method)
+    folder = paths.resolve(checkpoint) if checkpoint else paths.CHECKPOINTS / cfg.preset / method
+    if (folder / "config.json").is_file():
+        return load_drafter(folder, method, target, cfg.head.max_iters, refine)
+    if method == "dflash" and cfg.drafter.checkpoint and not checkpoint:
+        net = DFlashDraftModel.from_pretrained(cfg.drafter.checkpoint, target=target)
+        return ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method, cfg.head.max_iters, refine)
+    hint = (" or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
+            "z-lab/Qwen3-8B-DFlash-b16 for Qwen3-8B)" if method == "dflash" else "")
+    raise CheckpointNotFoundError(
+        f"no {method} checkpoint at {folder}: train one with `python -m xpress train --preset {cfg.preset} "
+        f"--method {method}` (co-training, notebook 03){hint}")
