@@ -4,6 +4,9 @@ Commands:
   run      run the notebooks in order with papermill on a preset (the main job of ``make reproduce``)
   data     list the benchmarks (``python -m xpress data --list``; same as ``python -m xpress.data``)
   config   print a preset after overrides, e.g. ``python -m xpress config --preset cpu drafter.block_size=8``
+  decode   decode prompts with a method, e.g.
+           ``python -m xpress decode --preset cpu --method oracle --bench gsm8k --limit 4 --out out.jsonl``
+  bench    benchmark records, e.g. ``python -m xpress bench oracle-ceiling --preset cpu``
 """
 from __future__ import annotations
 
@@ -33,6 +36,34 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_decode(args: argparse.Namespace) -> int:
+    """Decode, write one JSON line per prompt; exit 2 with a message on bad input or a missing checkpoint."""
+    from .bench import DecodeInputError, decode_main
+    from .targets import ContextTooLongError, TargetError
+
+    try:
+        summary = decode_main(args.preset, args.method, args.bench, args.prompts, args.out,
+                              temperature=args.temperature, seed=args.seed,
+                              max_new_tokens=args.max_new_tokens, limit=args.limit,
+                              overrides=args.overrides, checkpoint=args.checkpoint,
+                              progress=not args.no_progress)
+    except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError) as e:
+        # FileNotFoundError: CheckpointNotFoundError, whose message says how to train the drafter
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: method {args.method!r} is not available ({e})", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": args.out, "method": args.method, **summary}), file=sys.stderr)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m xpress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,6 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="cpu")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_config)
+
+    from .bench import METHODS
+
+    p = sub.add_parser("decode", help="decode prompts with a method; one JSON line per prompt",
+                       description="Each output line: id, method, token_ids (concatenated over turns), text, "
+                                   "accept_lengths (tokens committed per verification step), timings "
+                                   "(seconds per stage), finish_reason and per-turn detail under turns.")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--method", required=True, choices=METHODS)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bench", help="an offline benchmark: gsm8k, math500, humaneval, mt-bench, ...")
+    src.add_argument("--prompts", help='a JSONL file of {"id": ..., "turns": ["user message", ...]}')
+    p.add_argument("--temperature", type=float, default=None, help="default: the preset's decode.temperature")
+    p.add_argument("--seed", type=int, default=None, help="default: the preset's seed")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per turn; default: the preset's")
+    p.add_argument("--limit", type=int, default=None, help="first M prompts; default: the preset's data.limit")
+    p.add_argument("--checkpoint", default=None, help="drafter checkpoint folder (dflash, markov, xpress)")
+    p.add_argument("--out", required=True, help="output JSONL, written atomically")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value (decode.batch_size=4, ...)")
+    p.set_defaults(func=_cmd_decode)
+
+    from .bench import add_arguments
+
+    p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -49,6 +49,7 @@ class TargetConfig:
     random_heads: int = 4
     random_kv_heads: int = 2
     random_intermediate: int = 128
+    random_init_std: float = 0.1  # at transformers' 0.02 the greedy output repeats one token whatever the prompt
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Config:
         _check(self.target.source != "hub" or bool(self.target.model),
                "target.model is empty: give a hub id or a local folder for target.source=hub")
         _check(self.target.max_context > 0, "target.max_context must be positive")
+        _check(self.target.random_init_std > 0, "target.random_init_std must be positive")
         _check(self.drafter.block_size >= 2, "drafter.block_size must be at least 2 (anchor + one draft)")
         _check(self.drafter.num_layers >= 1, "drafter.num_layers must be at least 1")
         _check(self.drafter.num_target_features >= 1, "drafter.num_target_features must be at least 1")

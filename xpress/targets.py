@@ -174,6 +174,7 @@ def _random_model(cfg: TargetConfig, tokenizer: Any, seed: int):
         intermediate_size=cfg.random_intermediate, num_hidden_layers=cfg.random_layers,
         num_attention_heads=cfg.random_heads, num_key_value_heads=cfg.random_kv_heads,
         max_position_embeddings=cfg.max_context, tie_word_embeddings=True,
+        initializer_range=cfg.random_init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )

@@ -132,7 +132,7 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
     return {
         "preset": preset,
         "git_revision": git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "git_dirty": bool(git("status", "--porcelain", "--", ".", ":!results")),  # code not committed
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "python": platform.python_version(),

@@ -1,0 +1,194 @@
+"""T > 0: speculative sampling is lossless (distributionally equal to autoregressive sampling).
+
+A MICRO target (a tiny LlamaForCausalLM with an 8-token vocabulary, no tokenizer) gives exact target
+probabilities for every 3-token continuation of a fixed prompt. A drafter proposes from known random
+distributions q (not p). The joint distribution of the first 3 generated tokens, over 20k independent
+sequences decoded as ONE ragged batch, must pass a chi-square goodness-of-fit test against the exact
+probabilities -- and the same test must FAIL when the rejection residual is deliberately wrong (drawing
+the replacement from p instead of norm(max(p - q, 0))).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from xpress import decoding
+from xpress.config import TargetConfig
+from xpress.decoding import (generate_ar_batch, generate_speculative_batch, greedy_accept, rejection_accept,
+                             residual_distribution)
+from xpress.protocol import Draft
+from xpress.targets import Target
+
+V = 8
+PROMPT = [1, 5, 2, 7]
+TEMPERATURE = 0.8
+N = 20_000
+N_TOKENS = 3
+
+
+def _wrong_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A classic bug: on rejection, resample from p itself (biased towards tokens q over-proposes)."""
+    return p
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A micro model gains nothing from a second thread; a busy 2-core machine makes it much slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def micro() -> Target:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, initializer_range=0.6, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, cfg=TargetConfig(source="random", max_context=64),
+                  hidden_size=16, vocab_size=V, num_layers=2, layer_ids=[0], eos_token_ids=[], name="micro")
+
+
+@pytest.fixture(scope="module")
+def exact(micro: Target) -> np.ndarray:
+    """Exact joint target probabilities of the first 3 tokens after PROMPT at TEMPERATURE: [V, V, V]."""
+    x1, x2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
+    seqs = torch.cat([torch.tensor(PROMPT).expand(V * V, -1), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)
+    with torch.inference_mode():
+        logits = micro.model(input_ids=seqs).logits.double()
+    p = torch.softmax(logits / TEMPERATURE, -1)
+    L = len(PROMPT)
+    p1 = p[0, L - 1]  # [V]
+    p2 = p[:, L].reshape(V, V, V)[:, 0]  # [x1, V] (independent of x2)
+    p3 = p[:, L + 1].reshape(V, V, V)  # [x1, x2, V]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    assert abs(float(joint.sum()) - 1) < 1e-9
+    assert float(p1.max()) > 0.3, "the micro target should be far from uniform"
+    return joint.numpy()
+
+
+class FixedQDrafter:
+    """Drafts position k from a fixed random distribution q_k (ignores the context), q_k != p."""
+
+    def __init__(self, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.q = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((block_size - 1,)).float()
+
+    def reset(self, prompt_ids):
+        pass
+
+    def extend(self, tokens, features, positions, valid):
+        pass
+
+    def propose(self, anchor, anchor_pos, temperature, generator=None):
+        b, n = anchor.shape[0], self.block_size - 1
+        tokens = torch.multinomial(self.q, b, replacement=True, generator=generator).T  # [b, n]
+        return Draft(tokens=tokens.contiguous(), q=self.q.expand(b, n, V))
+
+
+def _joint_counts(token_lists: list[list[int]]) -> np.ndarray:
+    t = np.asarray([g[:N_TOKENS] for g in token_lists])
+    assert t.shape == (len(token_lists), N_TOKENS)
+    return np.bincount(t[:, 0] * V * V + t[:, 1] * V + t[:, 2], minlength=V ** 3)
+
+
+def _gof_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit; cells with expected count < min_expected are pooled into one."""
+    expected = probs.reshape(-1) * counts.sum()
+    small = expected < min_expected
+    obs, exp = counts[~small], expected[~small]
+    if expected[small].sum() > 0:
+        obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
+    elif counts[small].sum() > 0:
+        return 0.0  # draws where the exact probability is 0
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _speculative_counts(micro: Target, block_size: int, seed: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    gens = generate_speculative_batch(micro, FixedQDrafter(block_size, seed), [PROMPT] * N, N_TOKENS,
+                                      TEMPERATURE, generator=g)
+    return _joint_counts([x.token_ids for x in gens])
+
+
+# ----------------------------------------------------------------------------------------- end to end
+def test_autoregressive_sampling_matches_exact(micro, exact):
+    g = torch.Generator().manual_seed(11)
+    gens = generate_ar_batch(micro, [PROMPT] * N, N_TOKENS, TEMPERATURE, generator=g)
+    assert _gof_pvalue(_joint_counts([x.token_ids for x in gens]), exact) > 1e-3
+
+
+@pytest.mark.parametrize("block_size", [3, 4])
+def test_speculative_sampling_matches_exact(micro, exact, block_size):
+    """B = 3 puts the all-accepted bonus token inside the first 3; B = 4 puts rejections at every slot."""
+    assert _gof_pvalue(_speculative_counts(micro, block_size, seed=block_size), exact) > 1e-3
+
+
+def test_wrong_residual_is_detected(micro, exact, monkeypatch):
+    monkeypatch.setattr(decoding, "residual_distribution", _wrong_residual)
+    assert _gof_pvalue(_speculative_counts(micro, 3, seed=3), exact) < 1e-6
+
+
+# ------------------------------------------------------------------------------------ acceptance rules
+def _first_token_counts(p: torch.Tensor, q: torch.Tensor, residual=None, n_rows: int = 200_000) -> np.ndarray:
+    """One verification round with fixed p [n + 1, V] and q [n, V]: counts of the first committed token."""
+    g = torch.Generator().manual_seed(0)
+    n = q.shape[0]
+    draft = torch.multinomial(q, n_rows, replacement=True, generator=g).T.contiguous()  # [rows, n]
+    n_acc, nxt = rejection_accept(draft, q.expand(n_rows, n, V), p.expand(n_rows, n + 1, V), g, residual)
+    first = torch.where(n_acc > 0, draft[:, 0], nxt)
+    return np.bincount(first.numpy(), minlength=V)
+
+
+def test_rejection_accept_first_token_is_p():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        d = torch.distributions.Dirichlet(torch.full((V,), 0.5))
+        p, q = d.sample((4,)), d.sample((3,))
+    assert _gof_pvalue(_first_token_counts(p, q), p[0].double().numpy()) > 1e-3
+    assert _gof_pvalue(_first_token_counts(p, q, _wrong_residual), p[0].double().numpy()) < 1e-6
+
+
+def test_rejection_accept_bonus_when_q_equals_p():
+    """q == p: every draft is accepted and the bonus comes from the last target distribution."""
+    p = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(0)), -1)
+    draft = torch.tensor([[1, 2]] * 1000)
+    n_acc, _ = rejection_accept(draft, p[:2].expand(1000, 2, V), p.expand(1000, 3, V))
+    assert bool((n_acc == 2).all())
+
+
+def test_rejection_of_impossible_token():
+    """A draft the target gives probability 0 is always rejected, and never resampled."""
+    p = torch.zeros(1, 2, V)
+    p[0, :, 3] = 1.0
+    q = torch.full((1, 1, V), 1.0 / V)
+    n_acc, nxt = rejection_accept(torch.tensor([[5]]), q, p)
+    assert int(n_acc) == 0 and int(nxt) == 3
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    r = residual_distribution(p, q)
+    assert torch.allclose(r, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(residual_distribution(p, p), p)  # nothing left: falls back to p
+
+
+def test_greedy_accept():
+    logits = torch.full((3, 4, 10), -1.0)
+    best = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    logits.scatter_(2, best[..., None], 1.0)
+    draft = torch.tensor([[1, 2, 3], [1, 9, 3], [7, 2, 3]])
+    n_acc, nxt = greedy_accept(draft, logits)
+    assert n_acc.tolist() == [3, 1, 0]
+    assert nxt.tolist() == [4, 2, 1]
