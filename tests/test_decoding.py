@@ -75,16 +75,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config("smoke")
-
-
-@pytest.fixture(scope="module")
-def target(cfg):
-    return load_target(cfg)
-
-
 def test_smoke_target_output_depends_on_the_prompt(reference):
     assert len({tuple(g.token_ids) for g in reference}) > len(reference) // 2
 

@@ -8,7 +8,6 @@ from torch import nn
 from xpress import DFlashDraftModel, DraftVocab
 from xpress.config import load_config
 from xpress.drafter import (CheckpointNotFoundError, DFlashConfig, DrafterMismatchError, block_attention_mask)
-from xpress.targets import load_target
 
 V, H = 100, 32
 
@@ -25,11 +24,6 @@ def small(mask_token_id=None, **kw) -> DFlashDraftModel:
 
 def features(b, n, seed=1):
     return torch.randn(b, n, 2 * H, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module")
-def smoke():
-    return load_target(load_config("smoke"))
 
 
 # ------------------------------------------------------------------------------------------ layout

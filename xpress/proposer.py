@@ -34,6 +34,8 @@ __all__ = ["METHODS", "CheckpointNotFoundError", "ModelDrafter", "build_drafter"
 
 METHODS = ("dflash", "markov", "xpress")
 HEADS = {"markov": MarkovHead, "xpress": XPressRefiner}
+# co-training is the next stage of the pipeline; until it lands, the message must not promise a command
+TRAIN_STATUS = "the co-training command is not implemented in this version yet"
 
 
 def _check_method(method: str) -> None:
@@ -193,7 +195,7 @@ def load_drafter(folder: str | os.PathLike, method: str, target, max_iters: int 
         if not (meta_file.is_file() and weights.is_file()):
             raise CheckpointNotFoundError(
                 f"{folder} holds a drafter but no {method} head ({meta_file.name} + {weights.name}); train one "
-                f"with `python -m xpress train --preset <preset> --method {method}` (co-training)")
+                f"by co-training (`python -m xpress train --preset <preset> --method {method}`; {TRAIN_STATUS})")
         meta = json.loads(meta_file.read_text())
         if meta.get("method") != method:
             raise ValueError(f"{meta_file}: a {meta.get('method')!r} head, not {method!r}")
@@ -218,5 +220,5 @@ def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None
     hint = (" or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
             "z-lab/Qwen3-8B-DFlash-b16 for Qwen3-8B)" if method == "dflash" else "")
     raise CheckpointNotFoundError(
-        f"no {method} checkpoint at {folder}: train one with `python -m xpress train --preset {cfg.preset} "
-        f"--method {method}` (co-training, notebook 03){hint}")
+        f"no {method} checkpoint at {folder}: train one by co-training (`python -m xpress train --preset "
+        f"{cfg.preset} --method {method}`; {TRAIN_STATUS}), or pass a checkpoint folder (--checkpoint){hint}")
