@@ -231,6 +231,10 @@ class DFlashDraftModel(nn.Module):
     ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
     ``fc.weight`` [H, F], ``hidden_norm.weight``, ``norm.weight``, and ``mask_embedding`` [H] only when
     ``config.mask_token_id`` is None.
+
+    Shapes: ``encode_context(features [b, L, F], positions [b, L]) -> ContextCache`` (per layer K/V
+    [b, kvh, L, d]); ``forward(anchor [b, nb], anchor_pos [b, nb], context) -> hidden [b, nb, B, H]``;
+    ``base_logits(hidden [..., H]) -> [..., Vd]`` float32.
     """
 
     def __init__(self, config: DFlashConfig):

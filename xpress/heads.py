@@ -147,6 +147,9 @@ class MarkovHead(nn.Module):
     ``w_1``: (Vd+1) x r embedding of the previous token (row ``Vd`` for tokens outside the draft
     vocabulary), ``w_2``: r -> Vd linear, zero at init. At inference the P positions are decoded one after
     another (``sequential_refine``): each bias needs the token just chosen before it.
+
+    Shapes: ``forward(prev [b, P] target ids) -> bias [b, P, Vd]`` (teacher-forced, all positions);
+    ``bias(prev [n, P], rows [n], k) -> [n, Vd]`` for position ``k`` alone (one serial step).
     """
 
     def __init__(self, vocab: DraftVocab, rank: int = 256):

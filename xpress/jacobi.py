@@ -149,8 +149,9 @@ def sequential_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: to
                       temperature: float = 0.0, generator: torch.Generator | None = None,
                       noise: torch.Tensor | None = None, *, vocab: DraftVocab | None = None) -> RefineResult:
     """The left-to-right reference: P dependent steps, ``y_k = select(l_k(y_{<k}))`` (what the Markov head
-    always does, and the exact fixed point of :func:`jacobi_refine`). Same arguments and result as
-    :func:`jacobi_refine`; ``iters`` = P for every block."""
+    always does, and the exact fixed point of :func:`jacobi_refine`). base_logits [b, P, Vd], anchor [b]
+    target ids, noise [b, P, Vd] or None -> RefineResult(tokens [b, P] draft ids, q [b, P, Vd] or None at
+    T=0, iters [b] = P for every block). ``logits_fn`` is called once per position ``k`` -> [b, Vd]."""
     b, p, _ = base_logits.shape
     noise = block_noise(base_logits, temperature, generator, noise)
     y = torch.zeros(b, p, dtype=torch.int64, device=base_logits.device)  # positions >= k are not read at k
