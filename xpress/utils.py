@@ -125,7 +125,13 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
 
     import transformers
 
-    machine = {"platform": platform.platform(), "processor": platform.machine(),
+    cpu_model = ""
+    try:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    machine = {"platform": platform.platform(), "processor": platform.machine(), "cpu_model": cpu_model,
                "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(0)
