@@ -167,7 +167,11 @@ class Generation:
 
 
 def summarize(generations: Sequence[Generation]) -> dict[str, float]:
-    """Totals over many generations: tokens, steps, tau (= tokens / steps), seconds, tokens/s, stages."""
+    """Totals over many generations: tokens, steps, tau (= tokens / steps), seconds, tokens/s, stages.
+
+    ``seconds`` sums each generation's ``total_s``: meant for generations decoded one after another
+    (batch 1). Rows of one batched call overlap in time; time such a run by its wall clock instead.
+    """
     tokens = sum(len(g.token_ids) for g in generations)
     steps = sum(g.n_steps for g in generations)
     seconds = sum(g.total_s for g in generations)
