@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import xpress.paths
 from xpress import decoding
 from xpress.config import load_config
 from xpress.decoding import (RaggedKV, generate_ar, generate_ar_batch, generate_conversation,
                              generate_speculative, generate_speculative_batch, left_pad, summarize)
+from xpress.methods import MODEL_METHODS, make_drafter
 from xpress.protocol import Draft, Drafter
 from xpress.reference_drafters import OracleDrafter, RandomDrafter
 from xpress.targets import ContextTooLongError, encode_chat, load_target, target_forward
@@ -21,7 +23,6 @@ from xpress.targets import ContextTooLongError, encode_chat, load_target, target
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mt-bench")
 PER_BENCHMARK = 13  # 52 prompts
 MAX_NEW = 14
-MODEL_METHODS = ("dflash", "markov", "xpress")
 CPU_MAX_NEW = 16
 
 
@@ -55,14 +56,19 @@ def chat_prompts(target, per_benchmark: int) -> list[list[int]]:
 
 
 def make(method: str, cfg, target) -> Drafter:
-    if method == "oracle":
-        return OracleDrafter(target, cfg)
-    if method == "random":
-        return RandomDrafter(target, cfg, seed=0)
+    """The drafter of ``method`` (model methods: fresh weights, see :func:`no_checkpoints`), or the test's
+    noisy oracle."""
     if method == "noisy":
         return NoisyOracle(target, cfg.drafter.block_size)
-    proposer = pytest.importorskip("xpress.proposer")
-    return proposer.new_drafter(method, cfg, target, seed=0)
+    return make_drafter(method, cfg, target, seed=0, untrained_ok=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_checkpoints(tmp_path_factory):
+    """Model drafters start from fresh seeded weights here, whatever lies in this machine's checkpoints/."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(xpress.paths, "CHECKPOINTS", tmp_path_factory.mktemp("checkpoints"))
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -217,6 +223,23 @@ def test_speculative_records(cfg, target, prompts):
     assert all(len(v) == g.n_steps for v in g.step_times.values())
     assert sum(g.step_times["verify"]) > 0 and g.total_s > 0
     assert len(g.draft_accepts) == g.n_steps and g.tau == len(g.token_ids) / g.n_steps
+
+
+def test_draft_time_is_the_drafters_own(cfg, target, prompts):
+    """A drafter that reports ``Draft.timings`` is charged those (draft: plus its ``extend``), not the
+    wall clock around ``propose``; one that reports nothing is charged the wall clock."""
+    class Timed(NoisyOracle):
+        def propose(self, *a, **k):
+            d = super().propose(*a, **k)
+            d.timings = {"draft": 100.0, "refine": 7.0}
+            return d
+
+    g = generate_speculative(target, Timed(target, cfg.drafter.block_size), prompts[0], MAX_NEW)
+    assert g.step_times["refine"] == [7.0] * g.n_steps
+    assert all(100.0 <= t < 100.0 + g.total_s for t in g.step_times["draft"])
+    plain = generate_speculative(target, make("noisy", cfg, target), prompts[0], MAX_NEW)
+    assert plain.step_times["refine"] == [0.0] * plain.n_steps
+    assert all(0.0 < t < plain.total_s for t in plain.step_times["draft"])
 
 
 # ------------------------------------------------------------------------------------------ edge cases

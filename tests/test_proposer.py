@@ -8,7 +8,8 @@ from xpress import Drafter, ModelDrafter, build_drafter
 from xpress.config import load_config
 from xpress.drafter import DrafterMismatchError
 from xpress.heads import randomize_
-from xpress.proposer import CheckpointNotFoundError, METHODS, new_drafter, save_drafter
+from xpress.methods import MODEL_METHODS, drafter_weights, make_drafter
+from xpress.proposer import CheckpointNotFoundError, new_drafter, save_drafter
 from xpress.targets import target_forward
 
 
@@ -37,7 +38,7 @@ def propose(d, context, temperature=0.0, seed=0, rows=slice(None)):
     return d.propose(anchor[rows], lens[rows], temperature, torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MODEL_METHODS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_propose_shapes_and_distributions(method, temperature, cfg, target, context):
     d = drafter(method, cfg, target)
@@ -92,7 +93,7 @@ def test_dflash_greedy_is_base_argmax(cfg, target, context):
     assert torch.equal(out.tokens, d.vocab.to_target(d.drafter.base_logits(h, d.vocab).argmax(-1)))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MODEL_METHODS)
 def test_save_and_build_roundtrip(method, cfg, target, context, tmp_path):
     d = drafter(method, cfg, target)
     save_drafter(tmp_path / method, d.drafter, d.head, d.vocab, method)
@@ -101,6 +102,7 @@ def test_save_and_build_roundtrip(method, cfg, target, context, tmp_path):
     assert ({"head.json", "head.safetensors"} <= names) == (method != "dflash")
     loaded = build_drafter(method, cfg, target, checkpoint=tmp_path / method)
     assert isinstance(loaded, ModelDrafter) and loaded.vocab == d.vocab
+    assert drafter_weights(loaded) == "trained" and drafter_weights(d) == "untrained"
     for t in (0.0, 1.0):
         a, b = propose(d, context, t, seed=4), propose(loaded, context, t, seed=4)
         assert torch.equal(a.tokens, b.tokens)
@@ -113,6 +115,7 @@ def test_missing_checkpoint_says_how_to_get_one(cfg, target, tmp_path, monkeypat
     msg = str(e.value)
     assert str(tmp_path / "checkpoints" / "smoke" / "xpress") in msg
     assert "python -m xpress train --preset smoke --method xpress" in msg
+    assert "python -m xpress regenerate --preset smoke" in msg and "--checkpoint" in msg
     with pytest.raises(CheckpointNotFoundError, match="drafter.checkpoint"):
         build_drafter("dflash", cfg, target)
     assert isinstance(CheckpointNotFoundError("x"), FileNotFoundError)
@@ -141,3 +144,36 @@ def test_mismatched_target_is_refused_on_load(cfg, target, tmp_path):
 def test_unknown_method(cfg, target):
     with pytest.raises(ValueError, match="dflash, markov, xpress"):
         new_drafter("gru", cfg, target)
+
+
+def test_checkpoint_of_another_block_size_is_refused(cfg, target, tmp_path, monkeypatch):
+    monkeypatch.setattr(xpress.paths, "CHECKPOINTS", tmp_path / "checkpoints")
+    d = drafter("markov", cfg, target)
+    save_drafter(tmp_path / "m", d.drafter, d.head, d.vocab, "markov")
+    B = cfg.drafter.block_size
+    other = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, block_size=B + 2))
+    with pytest.raises(DrafterMismatchError) as e:
+        build_drafter("markov", other, target, checkpoint=tmp_path / "m")
+    msg = str(e.value)
+    assert f"block_size={B}" in msg and f"drafter.block_size={B + 2}" in msg and f"drafter.block_size={B}" in msg
+    released = dataclasses.replace(other, drafter=dataclasses.replace(other.drafter, checkpoint=str(tmp_path / "m")))
+    with pytest.raises(DrafterMismatchError, match=f"block_size={B}"):
+        build_drafter("dflash", released, target, checkpoint=None)
+
+
+def test_make_drafter_falls_back_to_fresh_weights_only_when_asked(cfg, target, tmp_path, monkeypatch):
+    monkeypatch.setattr(xpress.paths, "CHECKPOINTS", tmp_path / "checkpoints")
+    assert make_drafter("ar", cfg, target) is None
+    for method in ("oracle", "random"):
+        assert drafter_weights(make_drafter(method, cfg, target)) == "reference"
+    with pytest.raises(CheckpointNotFoundError, match="python -m xpress train"):
+        make_drafter("xpress", cfg, target)
+    fresh = make_drafter("xpress", cfg, target, seed=3, untrained_ok=True)
+    assert isinstance(fresh, ModelDrafter) and drafter_weights(fresh) == "untrained"
+    same = new_drafter("xpress", cfg, target, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.drafter.state_dict().values(), same.drafter.state_dict().values()))
+    d = drafter("xpress", cfg, target)
+    save_drafter(tmp_path / "checkpoints" / cfg.preset / "xpress", d.drafter, d.head, d.vocab, "xpress")
+    assert drafter_weights(make_drafter("xpress", cfg, target, untrained_ok=True)) == "trained"
+    with pytest.raises(ValueError, match="ar, oracle, random"):
+        make_drafter("gru", cfg, target)

@@ -21,7 +21,7 @@ _EXPORTS = {
     # models
     "DraftVocab": "vocab", "DFlashDraftModel": "drafter", "XPressRefiner": "heads",
     "MarkovHead": "heads", "jacobi_refine": "jacobi", "sequential_refine": "jacobi",
-    "ModelDrafter": "proposer", "build_drafter": "proposer",
+    "ModelDrafter": "proposer", "build_drafter": "proposer", "make_drafter": "methods",
     # decoding
     "generate_ar": "decoding", "generate_speculative": "decoding",
     "RandomDrafter": "reference_drafters", "OracleDrafter": "reference_drafters",

@@ -39,6 +39,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_decode(args: argparse.Namespace) -> int:
     """Decode, write one JSON line per prompt; exit 2 with a message on bad input or a missing checkpoint."""
     from .bench import DecodeInputError, decode_main
+    from .drafter import DrafterMismatchError
     from .targets import ContextTooLongError, TargetError
 
     try:
@@ -47,8 +48,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                               max_new_tokens=args.max_new_tokens, limit=args.limit,
                               overrides=args.overrides, checkpoint=args.checkpoint,
                               progress=not args.no_progress)
-    except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError) as e:
-        # FileNotFoundError: CheckpointNotFoundError, whose message says how to train the drafter
+    except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError, DrafterMismatchError) as e:
+        # FileNotFoundError: CheckpointNotFoundError, whose message says how to train the drafter;
+        # DrafterMismatchError: a checkpoint for another target or block size, the message names both
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_config)
 
-    from .bench import METHODS
+    from .methods import METHODS
 
     p = sub.add_parser("decode", help="decode prompts with a method; one JSON line per prompt",
                        description="Each output line: id, method, token_ids (concatenated over turns), text, "

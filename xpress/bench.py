@@ -18,28 +18,24 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import paths
+from .methods import METHODS, MODEL_METHODS, make_drafter  # noqa: F401  (importable from here too)
 
 if TYPE_CHECKING:  # heavy imports (torch) happen inside the functions: the CLI parser stays fast
     import torch
 
-    from .config import Config
     from .protocol import Drafter
     from .targets import Target
-
-METHODS = ("ar", "oracle", "random", "dflash", "markov", "xpress")
-MODEL_METHODS = ("dflash", "markov", "xpress")
 
 
 class DecodeInputError(ValueError):
     """Bad input to a decoding run (missing prompts file, malformed record); the message says what."""
 
 
-# ================================================================================ prompts and drafters
+# ============================================================================================ prompts
 def load_prompts(bench: str | None = None, prompts_file: str | Path | None = None,
                  limit: int | None = None) -> list[dict]:
     """Records ``{"id", "turns": [user messages]}`` from a benchmark or a JSONL file (one record a line)."""
@@ -69,28 +65,6 @@ def load_prompts(bench: str | None = None, prompts_file: str | Path | None = Non
             raise DecodeInputError(f'{path}:{n}: a record must be {{"id": ..., "turns": ["user message", ...]}}')
         records.append({"id": rec.get("id", f"{path.stem}-{len(records)}"), "turns": turns})
     return records[:limit] if limit else records
-
-
-def make_drafter(method: str, cfg: Config, target: Target, seed: int = 0,
-                 checkpoint: str | None = None) -> Drafter | None:
-    """The drafter for ``method`` (None for ``ar``). Model methods go through
-    :func:`xpress.proposer.build_drafter`, which raises ``CheckpointNotFoundError`` (a FileNotFoundError)
-    saying how to train one when the checkpoint is missing."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: use one of {', '.join(METHODS)}")
-    if method == "ar":
-        return None
-    if method == "oracle":
-        from .reference_drafters import OracleDrafter
-
-        return OracleDrafter(target, cfg)
-    if method == "random":
-        from .reference_drafters import RandomDrafter
-
-        return RandomDrafter(target, cfg, seed=seed)
-    from .proposer import build_drafter
-
-    return build_drafter(method, cfg, target, checkpoint=checkpoint)
 
 
 # ========================================================================================= decode runs
@@ -175,15 +149,13 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
 
 # ===================================================================================== oracle ceiling
 def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    import torch
+    from .utils import now
 
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now(device)
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(now(device) - t0)
     return statistics.median(times)
 
 
@@ -198,8 +170,7 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
     """
     import torch
 
-    from .decoding import lm_logits
-    from .targets import target_forward
+    from .targets import lm_logits, target_forward
 
     dev = target.device
     ctx = torch.tensor([list(context_ids)], dtype=torch.long, device=dev)
@@ -260,7 +231,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     from .decoding import generate_ar, generate_speculative, speedup, summarize
     from .reference_drafters import OracleDrafter
     from .targets import load_target
-    from .utils import atomic_write_json, atomic_write_text, provenance, seed_everything
+    from .utils import atomic_write_json, atomic_write_text, now, provenance, seed_everything
 
     load_before = os.getloadavg()
     cfg = load_config(preset, list(overrides))
@@ -270,9 +241,9 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     prompts = _benchmark_prompts(target, benchmarks, n_prompts)
     ids = [p for _, p in prompts]
     oracle = OracleDrafter(target, cfg)
-    t0 = time.perf_counter()
+    t0 = now(target.device)
     oracle.prepare(ids, max_new_tokens + B + 1)
-    prepare_s = time.perf_counter() - t0
+    prepare_s = now(target.device) - t0
     generate_ar(target, ids[0], 8)  # warm-up (allocator, kernels)
     generate_speculative(target, oracle, ids[0], 8)
 

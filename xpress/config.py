@@ -54,7 +54,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    """The dFlash-compatible block-diffusion drafter (see anchors.md)."""
+    """The dFlash-compatible block-diffusion drafter (docs/background.md)."""
 
     block_size: int = 16  # B: the anchor plus B-1 drafted positions
     num_layers: int = 1
@@ -62,6 +62,7 @@ class DrafterConfig:
     draft_vocab_size: int = 0  # 0 = the target's full vocabulary
     intermediate_size: int = 0  # 0 = the target's
     checkpoint: str = ""  # released dFlash checkpoint (hub id or folder) to start from; "" = fresh
+    init_from_target: bool = False  # start the drafter's layers from the target's top layers (same shapes)
 
 
 @dataclass
@@ -80,16 +81,24 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_frac: float = 0.04
     grad_clip: float = 1.0
-    steps: int = 100
-    batch_size: int = 4
-    max_len: int = 512
-    anchors_per_seq: int = 16
+    weight_decay: float = 0.0
+    warm_start_steps: int = 0  # plain-drafter steps shared by every method before co-training (0 = none)
+    steps: int = 100  # co-training steps per method, the same for dflash, markov and xpress
+    batch_size: int = 4  # sequences per step (per process)
+    max_len: int = 512  # tokens per training sequence (longer ones are cut)
+    anchors_per_seq: int = 16  # blocks per sequence in one forward
     gamma: float = 7.0  # position weight w_k = exp(-(k-1)/gamma)
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    consistency_weight: float = 0.3  # lambda in the paper's 5.1
-    anchor_weight_start: float = 0.6  # beta annealed ...
-    anchor_weight_end: float = 0.2  # ... to this floor
+    ce_weight: float = 0.1  # alpha_ce (Eq. 14): cross-entropy on the regenerated token
+    tv_weight: float = 0.9  # alpha_l1 (Eq. 14): ||p - p_target||_1
+    consistency_weight: float = 0.3  # the second refiner pass fed argmax(base) (5.1: "lambda = 0.3")
+    anchor_weight_start: float = 0.6  # the drafter-anchor term on the base distribution, annealed ...
+    anchor_weight_end: float = 0.2  # ... linearly to this floor over the co-training steps
+    checkpoint_every: int = 500  # steps between atomic checkpoints (and at the end)
+    log_every: int = 25  # steps between logged rows of the loss curves
+    eval_every: int = 0  # steps between tau-by-decoding on the validation split (0 = only at the end)
+    eval_prompts: int = 4  # validation prompts decoded per evaluation
+    eval_max_new_tokens: int = 64
+    mixed_precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or "no", "bf16"
 
 
 @dataclass
@@ -98,8 +107,13 @@ class DataConfig:
 
     benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "math500", "humaneval", "mt-bench"])
     limit: int = 0  # prompts per benchmark; 0 = all
-    n_train_prompts: int = 256
+    n_train_prompts: int = 256  # regenerated training sequences
+    n_val_prompts: int = 16  # regenerated held-out sequences (validation split, never trained on)
     regen_max_new_tokens: int = 256
+    regen_max_prompt_tokens: int = 256  # longer training prompts are skipped
+    regen_batch_size: int = 16  # prompts decoded together (ragged batch) during regeneration
+    regen_shard_size: int = 64  # prompts per shard on disk (the unit of resume)
+    cache_features: bool = True  # store the target's features and readout during regeneration
 
 
 @dataclass
@@ -144,7 +158,18 @@ class Config:
         _check(self.decode.temperature >= 0, "decode.temperature must be >= 0 (0 = greedy)")
         _check(self.decode.max_new_tokens >= 1, "decode.max_new_tokens must be at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
-        _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0, "data sizes must be >= 0")
+        _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
+               "data sizes must be >= 0")
+        _check(self.data.regen_batch_size >= 1 and self.data.regen_shard_size >= 1,
+               "data.regen_batch_size and data.regen_shard_size must be at least 1")
+        _check(self.train.batch_size >= 1 and self.train.anchors_per_seq >= 1,
+               "train.batch_size and train.anchors_per_seq must be at least 1")
+        _check(self.train.max_len > self.drafter.block_size,
+               f"train.max_len={self.train.max_len} must exceed drafter.block_size={self.drafter.block_size}")
+        _check(self.train.warm_start_steps >= 0 and self.train.checkpoint_every >= 1 and self.train.log_every >= 1,
+               "train.warm_start_steps must be >= 0, train.checkpoint_every and train.log_every >= 1")
+        _check(self.train.mixed_precision in {"auto", "no", "bf16"},
+               f"train.mixed_precision={self.train.mixed_precision!r}: use auto, no or bf16")
         return self
 
 

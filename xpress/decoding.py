@@ -3,7 +3,7 @@ and the acceptance rules.
 
 Shapes: ``b`` sequences, block size ``B`` (anchor + ``n = B - 1`` drafts), target vocabulary ``V``.
 
-One speculative round (anchors.md, dFlash inference layout)::
+One speculative round (the dFlash inference layout, docs/background.md)::
 
     draft = drafter.propose(anchor [b], anchor_pos [b])             # tokens [b, n], q [b, n, V] (T > 0)
     logits = target([anchor, d_1 .. d_n])                          # ONE forward, [b, B, V]
@@ -22,22 +22,23 @@ to, so each row decodes exactly as it would alone (up to floating-point reductio
 there are never holes: the rejected tail is cropped off the DynamicCache and no mask is passed.
 
 Timing: every step records seconds per stage in ``Generation.step_times`` -- speculative: ``draft``
-(``propose`` minus the drafter's own ``refine`` time, plus ``extend``), ``refine`` (from
-``Draft.timings``), ``verify`` (target forward + acceptance rule) and ``bookkeeping`` (commit, stop
-checks, cache crop); autoregressive: ``forward`` (target forward + token choice) and ``bookkeeping``.
-On CUDA the clock is synchronised at stage ends.
+(the drafter's own ``Draft.timings["draft"]``, plus ``extend``; for a drafter that reports no ``draft``
+time, such as the reference drafters, the wall clock around ``propose`` minus any reported ``refine``),
+``refine`` (``Draft.timings["refine"]``, 0 when not reported), ``verify`` (target forward + acceptance
+rule) and ``bookkeeping`` (commit, stop checks, cache crop); autoregressive: ``forward`` (target forward +
+token choice) and ``bookkeeping``. On CUDA the clock waits for the device at stage ends
+(:class:`xpress.utils.Stopwatch`, :func:`xpress.utils.now`).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .protocol import Draft, Drafter
-from .targets import Target, encode_chat, target_forward
-from .utils import Stopwatch
+from .targets import Target, encode_chat, lm_logits, target_forward
+from .utils import Stopwatch, now
 
 SPEC_STAGES = ("draft", "refine", "verify", "bookkeeping")
 COMPACT_MIN_HOLES = 32  # RaggedKV compacts once every row has at least this many holes
@@ -280,18 +281,6 @@ class RaggedKV:
 
 
 # ==================================================================================== shared helpers
-def lm_logits(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,
-              attention_mask: torch.Tensor | None, logits_to_keep: int = 1) -> tuple[torch.Tensor, Any]:
-    """A lean target forward (no hidden states): logits [b, logits_to_keep, V] float32 and the cache."""
-    from transformers import DynamicCache
-
-    if cache is None:
-        cache = DynamicCache(config=target.model.config)
-    out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
-                       attention_mask=attention_mask, use_cache=True, logits_to_keep=logits_to_keep)
-    return out.logits.float(), out.past_key_values
-
-
 def _stop_tensor(target: Target, stop_ids: Sequence[int] | None, device: torch.device) -> torch.Tensor:
     ids = sorted(set(target.eos_token_ids) | set(stop_ids or ()))
     return torch.tensor(ids, dtype=torch.long, device=device)
@@ -304,19 +293,6 @@ def _check_prompts(target: Target, prompts: Sequence[Sequence[int]], max_new_tok
         if len(p) < 1:
             raise ValueError("a prompt must hold at least one token")
         target.check_fits(len(p), max_new_tokens)
-
-
-def _synced(sw: Stopwatch, device: torch.device):
-    """``sw(stage)`` that waits for the device at the end of the stage (CUDA), so times are honest."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def stage(name: str):
-        with sw(name):
-            yield
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    return stage
 
 
 def _commit(proposed: torch.Tensor, length: torch.Tensor, stops: torch.Tensor,
@@ -339,10 +315,11 @@ def _commit(proposed: torch.Tensor, length: torch.Tensor, stops: torch.Tensor,
 class _Rows:
     """Per-row Python records of a batched generation."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], stages: Sequence[str]) -> None:
+    def __init__(self, prompts: Sequence[Sequence[int]], stages: Sequence[str], device: torch.device) -> None:
         self.gens = [Generation(token_ids=[], prompt_len=len(p), step_times={s: [] for s in stages})
                      for p in prompts]
-        self.t0 = time.perf_counter()
+        self.device = device
+        self.t0 = now(device)
 
     def record(self, active: list[int], tokens: list[list[int]], counts: list[int], raw: list[int] | None,
                times: dict[str, float] | None, stats: dict[str, list]) -> None:
@@ -361,14 +338,25 @@ class _Rows:
                 g.stats.setdefault(k, []).append(v[i])
 
     def finish(self, rows: list[int], stopped: list[bool]) -> None:
-        now = time.perf_counter() - self.t0
+        elapsed = now(self.device) - self.t0
         for i in rows:
-            self.gens[i].total_s = now
+            self.gens[i].total_s = elapsed
             self.gens[i].finish_reason = "stop" if stopped[i] else "length"
 
-    def set_prefill(self, seconds: float) -> None:
+    def set_prefill(self) -> None:
+        """Record the time since the start of the call as every row's prefill."""
+        elapsed = now(self.device) - self.t0
         for g in self.gens:
-            g.prefill_s = seconds
+            g.prefill_s = elapsed
+
+
+def _charge_draft(sw: Stopwatch, timings: dict[str, float], wall: float) -> None:
+    """Charge one ``propose`` call to the ``draft`` and ``refine`` stages: the drafter's own
+    ``Draft.timings`` where it reports them, else the ``wall`` clock around the call (minus any reported
+    ``refine``), for drafters that measure nothing (the reference drafters)."""
+    refine = float(timings.get("refine", 0.0))
+    sw.add("refine", refine)
+    sw.add("draft", float(timings["draft"]) if "draft" in timings else max(0.0, wall - refine))
 
 
 def _per_row(stats: dict[str, Any], b: int) -> dict[str, list]:
@@ -395,9 +383,8 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
     b = len(prompts)
-    rows = _Rows(prompts, AR_STAGES)
-    sw = Stopwatch()
-    stage = _synced(sw, dev)
+    rows = _Rows(prompts, AR_STAGES, dev)
+    sw = Stopwatch(dev)
     kv = RaggedKV(b, dev)
     stops = set(target.eos_token_ids) | set(stop_ids or ())
     ids, valid, pos = left_pad(prompts, dev)
@@ -405,11 +392,11 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
     kv.commit(cache, valid)
     token = choose_token(logits[:, -1], temperature, generator)
     pos = pos[:, -1:] + 1  # [b, 1]
-    rows.set_prefill(time.perf_counter() - rows.t0)
+    rows.set_prefill()
     live = list(range(b))
     first = True  # the token chosen from the prefill has no entry in step_times
     while True:
-        with stage("bookkeeping"):
+        with sw("bookkeeping"):
             tok_l = token.tolist()
             stopped = [t in stops for t in tok_l]
             done = [i for i in live if stopped[i] or len(rows.gens[i].token_ids) + 1 >= max_new_tokens]
@@ -422,10 +409,10 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
         first = False
         if not live:
             break
-        with stage("forward"):
+        with sw("forward"):
             logits, cache = lm_logits(target, token[:, None], kv.cache, pos, kv.attention_mask(1))
             token = choose_token(logits[:, -1], temperature, generator)
-        with stage("bookkeeping"):
+        with sw("bookkeeping"):
             kv.commit(cache)
             pos = pos + 1
     return rows.gens
@@ -455,9 +442,8 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
     b, B = len(prompts), int(drafter.block_size)
-    rows = _Rows(prompts, SPEC_STAGES)
-    sw = Stopwatch()
-    stage = _synced(sw, dev)
+    rows = _Rows(prompts, SPEC_STAGES, dev)
+    sw = Stopwatch(dev)
     kv = RaggedKV(b, dev)
     stops = _stop_tensor(target, stop_ids, dev)
     arange_B = torch.arange(B, device=dev)
@@ -470,20 +456,16 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
         drafter.extend(ctx, out.features, ctx_pos, valid)
     anchor = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
     anchor_pos = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=dev)
-    rows.set_prefill(time.perf_counter() - rows.t0)
+    rows.set_prefill()
 
     active = torch.ones(b, dtype=torch.bool, device=dev)
     remaining = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)
     live = list(range(b))  # host copy of the active rows
     while live:
-        t0 = time.perf_counter()
+        t0 = now()  # the previous stage ended synchronised
         draft: Draft = drafter.propose(anchor, anchor_pos, temperature, generator)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        refine = float(draft.timings.get("refine", 0.0))
-        sw.totals["refine"] = refine
-        sw.totals["draft"] = max(0.0, time.perf_counter() - t0 - refine)
-        with stage("verify"):
+        _charge_draft(sw, draft.timings, now(dev) - t0)
+        with sw("verify"):
             block = torch.cat([anchor[:, None], draft.tokens], dim=1)  # [b, B]
             positions = anchor_pos[:, None] + arange_B
             out = target_forward(target, block, kv.cache, positions, kv.attention_mask(B))
@@ -495,7 +477,7 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
             else:
                 n_acc, nxt = rejection_accept(draft.tokens, draft.q, target_probs(out.logits, temperature),
                                               generator)
-        with stage("bookkeeping"):
+        with sw("bookkeeping"):
             proposed = torch.cat([draft.tokens, nxt[:, None]], dim=1).scatter_(1, n_acc[:, None], nxt[:, None])
             count, stopped = _commit(proposed, n_acc + 1, stops, remaining)
             count = count * active
@@ -510,7 +492,7 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
             toks = [h[:B] for h in host]
             count_l, raw_l, keep_l, stop_l, done_l = (list(c) for c in zip(*(h[B:] for h in host)))
             kv.commit(out.cache, arange_B < keep[:, None], keep_l)
-        with stage("draft"):
+        with sw("draft"):
             k_max = max(keep_l)
             if k_max:
                 drafter.extend(block[:, :k_max], out.features[:, :k_max], positions[:, :k_max],
@@ -546,9 +528,8 @@ def answer_text(target: Target, generation: Generation) -> str:
     return target.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
 
 
-def generate_conversations(target: Target, conversations: Sequence[Sequence[str]],
-                           drafter: Drafter | None = None, max_new_tokens: int = 256,
-                           temperature: float = 0.0, generator: torch.Generator | None = None,
+def generate_conversations(target: Target, conversations: Sequence[Sequence[str]], drafter: Drafter | None,
+                           max_new_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
                            stop_ids: Sequence[int] | None = None, batch_size: int = 1,
                            on_done: Callable[[int], None] | None = None) -> list[list[Generation]]:
     """Multi-turn decoding (MT-Bench convention): turn t+1 follows the model's OWN answer to turn t.
@@ -579,8 +560,8 @@ def generate_conversations(target: Target, conversations: Sequence[Sequence[str]
     return out
 
 
-def generate_conversation(target: Target, turns: Sequence[str], drafter: Drafter | None = None,
-                          max_new_tokens: int = 256, temperature: float = 0.0,
+def generate_conversation(target: Target, turns: Sequence[str], drafter: Drafter | None, max_new_tokens: int,
+                          temperature: float = 0.0,
                           generator: torch.Generator | None = None,
                           stop_ids: Sequence[int] | None = None) -> list[Generation]:
     """One conversation (see :func:`generate_conversations`): a :class:`Generation` per user turn."""

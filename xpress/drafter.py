@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,9 @@ class DFlashConfig:
     head_dim: int
     num_hidden_layers: int
     num_target_layers: int
-    target_layer_ids: list[int] = field(default_factory=list)
-    vocab_size: int = 0
-    block_size: int = 16
+    target_layer_ids: list[int]
+    vocab_size: int
+    block_size: int  # B, the anchor plus B-1 drafted positions (cfg.drafter.block_size when built fresh)
     mask_token_id: int | None = None  # None: the drafter owns a learned `mask_embedding`
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
@@ -90,7 +90,7 @@ class DFlashConfig:
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
             num_hidden_layers=int(d["num_hidden_layers"]), num_target_layers=int(d["num_target_layers"]),
             target_layer_ids=[int(i) for i in dflash["target_layer_ids"]], vocab_size=int(d["vocab_size"]),
-            block_size=int(d.get("block_size", 16)), mask_token_id=dflash.get("mask_token_id"),
+            block_size=int(d["block_size"]), mask_token_id=dflash.get("mask_token_id"),
             rope_theta=float(theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)))
 

@@ -40,7 +40,7 @@ class XPressRefiner(nn.Module):
     as in the equations. ``L`` starts at zero (Mix = identity) and ``W_r`` at zero (delta = 0).
     """
 
-    def __init__(self, vocab: DraftVocab, hidden_size: int, positions: int, rank: int = 256,
+    def __init__(self, vocab: DraftVocab, hidden_size: int, positions: int, rank: int,
                  activation: str = "silu"):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -152,7 +152,7 @@ class MarkovHead(nn.Module):
     ``bias(prev [n, P], rows [n], k) -> [n, Vd]`` for position ``k`` alone (one serial step).
     """
 
-    def __init__(self, vocab: DraftVocab, rank: int = 256):
+    def __init__(self, vocab: DraftVocab, rank: int):
         super().__init__()
         self.vocab, self.rank = vocab, rank
         self.w_1 = nn.Embedding(vocab.size + 1, rank)

@@ -15,27 +15,25 @@ a released dFlash checkpoint), and for a head ``head.json`` + ``head.safetensors
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from . import paths
-from .drafter import CheckpointNotFoundError, ContextCache, DFlashDraftModel
+from .drafter import CheckpointNotFoundError, ContextCache, DFlashDraftModel, DrafterMismatchError
 from .heads import MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, block_noise, corrected_logits, distribution, jacobi_refine, select,
                      sequential_refine)
 from .protocol import Draft
-from .utils import atomic_dir, atomic_save_safetensors, atomic_write_json
+from .methods import MODEL_METHODS
+from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
 from .vocab import DraftVocab
 
-__all__ = ["METHODS", "CheckpointNotFoundError", "ModelDrafter", "build_drafter", "new_drafter",
-           "save_drafter", "load_drafter"]
+__all__ = ["METHODS", "CheckpointNotFoundError", "DrafterMismatchError", "ModelDrafter", "build_drafter",
+           "new_drafter", "save_drafter", "load_drafter"]
 
-METHODS = ("dflash", "markov", "xpress")
+METHODS = MODEL_METHODS  # the methods this module builds
 HEADS = {"markov": MarkovHead, "xpress": XPressRefiner}
-# co-training is the next stage of the pipeline; until it lands, the message must not promise a command
-TRAIN_STATUS = "the co-training command is not implemented in this version yet"
 
 
 def _check_method(method: str) -> None:
@@ -43,31 +41,37 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method={method!r}: use one of {', '.join(METHODS)}")
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+def train_hint(preset: str, method: str) -> str:
+    """How to get a missing checkpoint, for error messages."""
+    return (f"train one with `python -m xpress train --preset {preset} --method {method}` (after "
+            f"`python -m xpress regenerate --preset {preset}`), or pass a checkpoint folder (--checkpoint)")
 
 
 class ModelDrafter:
     """A :class:`DFlashDraftModel` (attached to its target) with the head of ``method``; fulfils
     :class:`xpress.protocol.Drafter` for a batch of sequences, ragged ones included (the context cache
-    keeps padding entries as masked holes)."""
+    keeps padding entries as masked holes).
+
+    ``max_iters``: K, the Jacobi budget (``cfg.head.max_iters``). ``weights``: ``"trained"`` (loaded from a
+    checkpoint) or ``"untrained"`` (fresh), as reported by :func:`xpress.methods.drafter_weights`.
+    """
 
     def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
-                 method: str, max_iters: int = 6, refine: str = "jacobi"):
+                 method: str, max_iters: int, refine: str = "jacobi", weights: str = "untrained"):
         _check_method(method)
         wanted = HEADS.get(method, type(None))
         if not isinstance(head, wanted):
             raise ValueError(f"method {method!r} takes a {wanted.__name__} head, got {type(head).__name__}")
         if refine not in ("jacobi", "sequential"):
             raise ValueError(f"refine={refine!r}: use jacobi or sequential")
+        if weights not in ("trained", "untrained"):
+            raise ValueError(f"weights={weights!r}: use trained or untrained")
         if head is not None and head.vocab != vocab:
             raise ValueError("the head was built for another draft vocabulary")
         if isinstance(head, XPressRefiner) and head.positions != drafter.block_size - 1:
             raise ValueError(f"the refiner mixes {head.positions} positions, the drafter drafts {drafter.block_size - 1}")
         self.drafter, self.head, self.vocab = drafter, head, vocab
-        self.method, self.max_iters, self.refine = method, max_iters, refine
+        self.method, self.max_iters, self.refine, self.weights = method, max_iters, refine, weights
         self.block_size = drafter.block_size
         self.context: ContextCache | None = None  # set by reset()
 
@@ -93,18 +97,20 @@ class ModelDrafter:
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, temperature: float,
                 generator: torch.Generator | None = None) -> Draft:
         """Draft B-1 tokens after ``anchor`` [b] at ``anchor_pos`` [b]: tokens [b, B-1] target ids, ``q``
-        [b, B-1, V] float32 (None at T=0), timings ``draft``/``refine`` (s), stats ``iters`` [b]."""
+        [b, B-1, V] float32 (None at T=0), timings (s) ``draft`` (drafter forward, base readout, mapping to
+        target ids) and ``refine`` (this method's token choice: head, Jacobi passes), stats ``iters`` [b]."""
         if self.context is None:
             raise RuntimeError("call reset() before propose()")
-        t0 = _clock(self.device)
-        h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
-        base = self.drafter.base_logits(h, self.vocab)  # [b, P, Vd]
-        t1 = _clock(self.device)
-        result = self.refine_block(h, base, anchor, temperature, generator)
-        t2 = _clock(self.device)
-        q = None if result.q is None else self.vocab.to_target_probs(result.q)
-        return Draft(tokens=self.vocab.to_target(result.tokens), q=q,
-                     timings={"draft": t1 - t0, "refine": t2 - t1}, stats={"iters": result.iters})
+        sw = Stopwatch(self.device)
+        with sw("draft"):
+            h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
+            base = self.drafter.base_logits(h, self.vocab)  # [b, P, Vd]
+        with sw("refine"):
+            result = self.refine_block(h, base, anchor, temperature, generator)
+        with sw("draft"):
+            tokens = self.vocab.to_target(result.tokens)
+            q = None if result.q is None else self.vocab.to_target_probs(result.q)
+        return Draft(tokens=tokens, q=q, timings=sw.pop(), stats={"iters": result.iters})
 
     def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
                      generator: torch.Generator | None = None) -> RefineResult:
@@ -173,10 +179,20 @@ def save_drafter(folder: str | os.PathLike, drafter_net: DFlashDraftModel, head:
     return folder
 
 
-def load_drafter(folder: str | os.PathLike, method: str, target, max_iters: int = 6,
-                 refine: str = "jacobi") -> ModelDrafter:
+def check_block_size(net: DFlashDraftModel, cfg, source: str | os.PathLike) -> None:
+    """Raise :class:`DrafterMismatchError` when the drafter loaded from ``source`` drafts blocks of another
+    size than ``cfg.drafter.block_size``: the preset is the one source of truth for B."""
+    have, want = net.block_size, cfg.drafter.block_size
+    if have != want:
+        raise DrafterMismatchError(
+            f"the drafter at {source} was trained for block_size={have} (its config.json), but the preset "
+            f"sets drafter.block_size={want}; use a checkpoint trained for block size {want}, or set "
+            f"drafter.block_size={have}")
+
+
+def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: str = "jacobi") -> ModelDrafter:
     """Load a checkpoint folder written by :func:`save_drafter` (or a released dFlash folder for
-    ``dflash``), checked against ``target``."""
+    ``dflash``), checked against ``target`` and against ``cfg`` (block size; K = ``cfg.head.max_iters``)."""
     import json
 
     from safetensors.torch import load_file
@@ -184,6 +200,7 @@ def load_drafter(folder: str | os.PathLike, method: str, target, max_iters: int 
     _check_method(method)
     folder = paths.resolve(folder)
     net = DFlashDraftModel.from_pretrained(folder, target=target)
+    check_block_size(net, cfg, folder)
     vocab_file = folder / "draft_vocab.safetensors"
     vocab = DraftVocab.load(vocab_file) if vocab_file.is_file() else DraftVocab.full(target.vocab_size)
     if vocab.target_size != target.vocab_size:
@@ -194,31 +211,32 @@ def load_drafter(folder: str | os.PathLike, method: str, target, max_iters: int 
         meta_file, weights = folder / "head.json", folder / "head.safetensors"
         if not (meta_file.is_file() and weights.is_file()):
             raise CheckpointNotFoundError(
-                f"{folder} holds a drafter but no {method} head ({meta_file.name} + {weights.name}); train one "
-                f"by co-training (`python -m xpress train --preset <preset> --method {method}`; {TRAIN_STATUS})")
+                f"{folder} holds a drafter but no {method} head ({meta_file.name} + {weights.name}); "
+                f"{train_hint(cfg.preset, method)}")
         meta = json.loads(meta_file.read_text())
         if meta.get("method") != method:
             raise ValueError(f"{meta_file}: a {meta.get('method')!r} head, not {method!r}")
         head = HEADS[method](vocab, **meta["config"])
         head.load_state_dict(load_file(str(weights)))
         head = head.to(device=target.device, dtype=net.dtype)
-    return ModelDrafter(net, head, vocab, method, max_iters, refine)
+    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained")
 
 
 def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None = None,
                   refine: str = "jacobi") -> ModelDrafter:
     """The trained drafter for ``method``: from ``checkpoint`` (a folder) or ``checkpoints/<preset>/<method>/``;
     for ``dflash`` with no such folder, from ``cfg.drafter.checkpoint`` (a released checkpoint: hub id or
-    folder). Raises :class:`CheckpointNotFoundError` naming the path and how to get one."""
+    folder). Raises :class:`CheckpointNotFoundError` naming the path and how to get one, and
+    :class:`DrafterMismatchError` when the checkpoint does not fit ``target`` or ``cfg.drafter.block_size``."""
     _check_method(method)
     folder = paths.resolve(checkpoint) if checkpoint else paths.CHECKPOINTS / cfg.preset / method
     if (folder / "config.json").is_file():
-        return load_drafter(folder, method, target, cfg.head.max_iters, refine)
+        return load_drafter(folder, method, cfg, target, refine)
     if method == "dflash" and cfg.drafter.checkpoint and not checkpoint:
         net = DFlashDraftModel.from_pretrained(cfg.drafter.checkpoint, target=target)
-        return ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method, cfg.head.max_iters, refine)
-    hint = (" or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
+        check_block_size(net, cfg, cfg.drafter.checkpoint)
+        return ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method, cfg.head.max_iters, refine,
+                            weights="trained")
+    hint = (", or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
             "z-lab/Qwen3-8B-DFlash-b16 for Qwen3-8B)" if method == "dflash" else "")
-    raise CheckpointNotFoundError(
-        f"no {method} checkpoint at {folder}: train one by co-training (`python -m xpress train --preset "
-        f"{cfg.preset} --method {method}`; {TRAIN_STATUS}), or pass a checkpoint folder (--checkpoint){hint}")
+    raise CheckpointNotFoundError(f"no {method} checkpoint at {folder}: {train_hint(cfg.preset, method)}{hint}")

@@ -10,7 +10,8 @@ A round of speculative decoding, for a batch of ``b`` sequences and block size `
 Context: every committed token except the newest (the anchor) has had its target features passed to
 ``extend``; the anchor's features are not known until the target verifies the next block.
 
-Models (``drafter``, ``heads``) never import decoding; decoding only sees this protocol.
+Drafters (``drafter``, ``heads``, ``jacobi``, ``proposer``, ``reference_drafters``) never import
+``decoding``; decoding only sees this protocol.
 """
 from __future__ import annotations
 

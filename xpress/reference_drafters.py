@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from .config import Config
-from .decoding import lm_logits
 from .protocol import Draft
-from .targets import Target
+from .targets import Target, lm_logits
 
 
 def _block_size(block_size: int | Config) -> int:

@@ -272,6 +272,18 @@ class TargetStep:
     cache: Any  # the updated transformers Cache
 
 
+def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None, logits_to_keep: int, hidden_states: bool) -> Any:
+    """The transformers forward both functions below make, extending ``cache`` (a fresh one when None)."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache(config=target.model.config)
+    return target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+                        attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
+                        logits_to_keep=logits_to_keep)
+
+
 def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
                    position_ids: torch.Tensor | None = None,
                    attention_mask: torch.Tensor | None = None,
@@ -282,13 +294,14 @@ def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
     features for every input position. ``attention_mask`` [batch, cache_len + seq] marks real (1) and
     hole (0) key positions, for ragged batches.
     """
-    from transformers import DynamicCache
-
-    if cache is None:
-        cache = DynamicCache(config=target.model.config)
-    out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
-                       attention_mask=attention_mask, use_cache=True, output_hidden_states=True,
-                       logits_to_keep=logits_to_keep)
+    out = _model_call(target, input_ids, cache, position_ids, attention_mask, logits_to_keep, True)
     hs = out.hidden_states
     features = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)
     return TargetStep(logits=out.logits.float(), features=features, cache=out.past_key_values)
+
+
+def lm_logits(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None, logits_to_keep: int = 1) -> tuple[torch.Tensor, Any]:
+    """A lean target forward (no hidden states): logits [b, logits_to_keep, V] float32 and the cache."""
+    out = _model_call(target, input_ids, cache, position_ids, attention_mask, logits_to_keep, False)
+    return out.logits.float(), out.past_key_values

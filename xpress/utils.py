@@ -89,10 +89,28 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-class Stopwatch:
-    """Accumulates wall time per named stage: ``with sw("verify"): ...``; ``sw.totals`` in seconds."""
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait until the work queued on ``device`` is done (CUDA); a no-op on the CPU or for None."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def __init__(self) -> None:
+
+def now(device: torch.device | str | None = None) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work (see :func:`synchronize`):
+    the clock to read around GPU work, where kernels run asynchronously."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+class Stopwatch:
+    """Accumulates wall time per named stage: ``with sw("verify"): ...``; ``sw.totals`` in seconds.
+
+    With a ``device`` (CUDA), each stage waits for the device before it stops the clock, so a stage is
+    charged for the kernels it queued; stages are meant to follow one another, so the start is not synced.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
         self.totals: dict[str, float] = {}
 
     @contextmanager
@@ -100,8 +118,13 @@ class Stopwatch:
         t0 = time.perf_counter()
         try:
             yield
+            synchronize(self.device)
         finally:
-            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+            self.add(stage, time.perf_counter() - t0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Charge ``seconds`` measured elsewhere (e.g. a drafter's own timings) to ``stage``."""
+        self.totals[stage] = self.totals.get(stage, 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
         out, self.totals = self.totals, {}

@@ -1,0 +1,475 @@
+"""Co-training of the drafter and its correction head (paper 4.3 and 5.1), resumable, under accelerate.
+
+    python -m xpress train --preset cpu --method xpress          # one process
+    accelerate launch -m xpress train --preset qwen3-8b ...     # several GPUs or nodes (DDP)
+    torchrun --nproc_per_node 2 -m xpress train ...              # the same with torchrun (gloo on CPU)
+
+Stages. With ``train.warm_start_steps > 0`` a plain drafter is trained first (stage ``warmstart``,
+checkpoint ``checkpoints/<preset>/warmstart/``), once, for every method; then each method (``dflash``,
+``markov``, ``xpress``) is co-trained from that drafter for the same ``train.steps`` on the same data with
+the same recipe, so that their tau compare. With ``train.refiner_only`` (a released dFlash checkpoint on
+the GPU preset) the drafter is frozen and only the head trains.
+
+Blocks, as in the public dFlash recipe: per sequence ``train.anchors_per_seq`` random anchors ``a`` among
+the positions whose next token is supervised (the last prompt token, where inference starts, included);
+the block is ``[x_a, MASK x (B-1)]`` at positions ``a .. a+B-1``; it sees the context features strictly
+before ``a`` and itself bidirectionally (:func:`xpress.drafter.block_attention_mask`), and position ``k``
+is scored against ``x_{a+k}``. All anchors of a batch go through the drafter in ONE forward, exactly the
+computation of the inference path (``extend`` + ``propose``), which a test checks.
+
+Randomness is a function of (seed, step, rank) alone, so a run stopped at step ``s`` and resumed from its
+checkpoint continues bit for bit like an uninterrupted run (model, AdamW state and the log are saved).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import paths
+from ..config import Config
+from ..drafter import DFlashDraftModel
+from ..heads import MarkovHead, XPressRefiner
+from ..proposer import METHODS, ModelDrafter, load_drafter, new_drafter, save_drafter
+from ..vocab import DraftVocab
+from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
+                     teacher_forced_acceptance)
+from .regenerate import RegenData, config_hash, regen_signature
+
+STATE_FILE = "train_state.json"
+TRAINER_FILE = "trainer_state.pt"
+WARM_START = "warmstart"
+
+
+class TrainingError(RuntimeError):
+    """Training input that does not fit (missing data, a checkpoint of another config, a corrupt file);
+    the message says how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+def build_vocab(cfg: Config, target, data: RegenData) -> tuple[DraftVocab, dict[str, float]]:
+    """The draft vocabulary from the regenerated training tokens (``drafter.draft_vocab_size`` most
+    frequent, EOS always in; 0 = the full vocabulary) and its coverage of the validation tokens."""
+    if cfg.drafter.draft_vocab_size == 0:
+        vocab = DraftVocab.full(target.vocab_size)
+    else:
+        vocab = DraftVocab.from_counts(data.token_counts(target.vocab_size, "train"), cfg.drafter.draft_vocab_size,
+                                       always=target.eos_token_ids)
+    val = data.token_counts(target.vocab_size, "val")
+    inside = float(val[vocab.d2t].sum()) / max(1, int(val.sum()))
+    train = data.token_counts(target.vocab_size, "train")
+    return vocab, {"draft_vocab_size": vocab.size, "val_token_coverage": inside,
+                   "train_token_coverage": float(train[vocab.d2t].sum()) / max(1, int(train.sum()))}
+
+
+def init_from_target_layers(drafter: DFlashDraftModel, target) -> list[int]:
+    """Copy the target's top ``num_layers`` decoder layers into the drafter's layers (same names and
+    shapes: attention projections, MLP, the two layer norms; q/k norms where the target has them).
+    Returns the target layer ids used."""
+    layers = list(target.model.get_decoder().layers)
+    ids = list(range(len(layers) - len(drafter.layers), len(layers)))
+    with torch.no_grad():
+        for mine, i in zip(drafter.layers, ids):
+            theirs = dict(layers[i].named_parameters())
+            for name, p in mine.named_parameters():
+                if name in theirs and theirs[name].shape == p.shape:
+                    p.copy_(theirs[name].to(p.dtype))
+                elif not name.endswith(("q_norm.weight", "k_norm.weight")):
+                    raise TrainingError(f"drafter.init_from_target: target layer {i} has no {name} of shape "
+                                        f"{tuple(p.shape)}; set drafter.init_from_target=false")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- batches
+@dataclass
+class Batch:
+    """One training batch. ``b`` sequences padded to ``L``, ``nb`` anchors each, ``P = B - 1``.
+
+    features [b, L, F] float32, positions [b, L] int64, valid [b, L] bool: the context;
+    anchor_ids, anchor_pos [b, nb] int64, anchor_valid [b, nb] bool;
+    labels [b, nb, P] target ids (x_{a+k}), label_valid [b, nb, P] bool;
+    t_hidden [b, nb, P, H] float32 and t_lse [b, nb, P]: the target's state before each label.
+    """
+
+    features: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    anchor_ids: torch.Tensor
+    anchor_pos: torch.Tensor
+    anchor_valid: torch.Tensor
+    labels: torch.Tensor
+    label_valid: torch.Tensor
+    t_hidden: torch.Tensor
+    t_lse: torch.Tensor
+
+    def to(self, device) -> "Batch":
+        return Batch(**{k: v.to(device) for k, v in asdict(self).items()})
+
+
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """The RNG of one step on one process (resume-exact: no state carried between steps)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.Generator,
+               anchors: list[list[int]] | None = None) -> Batch:
+    """Collate sequences ``rows`` (cut to ``train.max_len``) with random anchors (or the given ones)."""
+    B, nb, max_len = cfg.drafter.block_size, cfg.train.anchors_per_seq, cfg.train.max_len
+    P = B - 1
+    seqs = [data.input_ids[i][:max_len] for i in rows]
+    L = max(len(s) for s in seqs)
+    states = [data.states(i) for i in rows]
+    F_, H = states[0]["features"].shape[1], states[0]["hidden"].shape[1]
+    b = len(rows)
+    ids = torch.zeros(b, L, dtype=torch.long)
+    valid = torch.zeros(b, L, dtype=torch.bool)
+    feats = torch.zeros(b, L, F_)
+    hid = torch.zeros(b, L, H)
+    lse = torch.zeros(b, L)
+    a_pos = torch.zeros(b, nb, dtype=torch.long)
+    a_valid = torch.zeros(b, nb, dtype=torch.bool)
+    for j, (i, s, st) in enumerate(zip(rows, seqs, states)):
+        T = len(s)
+        ids[j, :T] = torch.tensor(s)
+        valid[j, :T] = True
+        feats[j, :T] = torch.from_numpy(np.asarray(st["features"][:T], dtype=np.float32))
+        hid[j, :T] = torch.from_numpy(np.asarray(st["hidden"][:T], dtype=np.float32))
+        lse[j, :T] = torch.from_numpy(np.nan_to_num(np.asarray(st["lse"][:T], dtype=np.float32)))
+        if anchors is not None:
+            chosen = torch.tensor(anchors[j], dtype=torch.long)
+        else:
+            first = data.prompt_len[i] - 1  # the last prompt token: where decoding starts
+            candidates = torch.arange(first, T - 1)  # the next token is a supervised response token
+            pick = torch.randperm(len(candidates), generator=generator)[:nb]
+            chosen = candidates[pick.sort().values]
+        a_pos[j, :len(chosen)] = chosen
+        a_valid[j, :len(chosen)] = True
+    k = torch.arange(1, P + 1)
+    where = a_pos[:, :, None] + k  # [b, nb, P] positions of the labels
+    lengths = valid.sum(1)[:, None, None]
+    label_valid = (where < lengths) & a_valid[:, :, None]
+    where = where.clamp_max(L - 1)
+    flat = where.reshape(b, -1)
+    labels = ids.gather(1, flat).view(b, nb, P)
+    before = (where - 1).reshape(b, -1)
+    t_hidden = hid.gather(1, before[..., None].expand(-1, -1, H)).view(b, nb, P, H)
+    t_lse = lse.gather(1, before).view(b, nb, P)
+    return Batch(features=feats, positions=torch.arange(L).expand(b, L).clone(), valid=valid,
+                 anchor_ids=ids.gather(1, a_pos), anchor_pos=a_pos, anchor_valid=a_valid,
+                 labels=labels, label_valid=label_valid, t_hidden=t_hidden, t_lse=t_lse)
+
+
+# ---------------------------------------------------------------------------------------------- model
+class CoTrainer(nn.Module):
+    """Drafter + head as one module (what DDP wraps). ``forward(batch)`` -> logits over the draft
+    vocabulary, each [n, P, Vd] with ``n = b * nb``: ``base`` (the drafter), and for a head ``refined``
+    (teacher-forced: previous tokens ``[x_a, x*_{a+1} .. x*_{a+P-1}]``) and ``consistency`` (previous
+    tokens ``[x_a, argmax base]``), plus the drafter's block states ``hidden`` [n, P, H]."""
+
+    def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab):
+        super().__init__()
+        self.drafter, self.head, self.vocab = drafter, head, vocab
+
+    def forward(self, batch: Batch, consistency: bool = True) -> dict[str, torch.Tensor]:
+        d = self.drafter
+        context = d.encode_context(batch.features, batch.positions, batch.valid)
+        hidden = d(batch.anchor_ids, batch.anchor_pos, context)  # [b, nb, B, H]
+        b, nb, B, H = hidden.shape
+        h = hidden[:, :, 1:].reshape(b * nb, B - 1, H)  # [n, P, H]
+        base = d.base_logits(h, self.vocab)  # [n, P, Vd]
+        out = {"hidden": h, "base": base}
+        if self.head is None:
+            return out
+        anchor = batch.anchor_ids.reshape(-1, 1)
+        gold = torch.cat([anchor, batch.labels.reshape(b * nb, -1)[:, :-1]], dim=1)  # [n, P]
+        out["refined"] = base + self._delta(h, gold)
+        if consistency:
+            own = self.vocab.to_target(base.detach().argmax(-1))[:, :-1]
+            out["consistency"] = base + self._delta(h, torch.cat([anchor, own], dim=1))
+        return out
+
+    def _delta(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        return self.head(h, prev) if isinstance(self.head, XPressRefiner) else self.head(prev)
+
+
+def compute_loss(out: dict[str, torch.Tensor], batch: Batch, vocab: DraftVocab, readout: torch.Tensor,
+                 cfg: Config, anchor_w: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """L_total (Eq. 15; see :mod:`.losses`) and the logged terms."""
+    t = cfg.train
+    P = batch.labels.shape[-1]
+    labels = vocab.to_draft(batch.labels.reshape(-1, P))
+    valid = batch.label_valid.reshape(-1, P)
+    p_t = target_distribution(batch.t_hidden.reshape(-1, P, batch.t_hidden.shape[-1]),
+                              batch.t_lse.reshape(-1, P), readout)
+    w = position_weights(P, t.gamma, labels.device)
+    terms = {name: distribution_loss(out[name], labels, p_t, valid, w, t.ce_weight, t.tv_weight)
+             for name in ("base", "refined", "consistency") if name in out}
+    if "refined" in terms:
+        total = terms["refined"]["loss"] + anchor_w * terms["base"]["loss"]
+        if "consistency" in terms:
+            total = total + t.consistency_weight * terms["consistency"]["loss"]
+    else:
+        total = terms["base"]["loss"]
+    logs = {f"{name}_{k}": v.item() for name, d in terms.items() for k, v in d.items()}
+    final = out.get("refined", out["base"])
+    per_pos, tf_tau = teacher_forced_acceptance(final.detach(), labels, valid)
+    logs.update(loss=total.item(), tf_tau=tf_tau, tf_accept=per_pos.tolist(), anchor_weight=anchor_w)
+    if "refined" in out:
+        logs["tf_tau_base"] = teacher_forced_acceptance(out["base"].detach(), labels, valid)[1]
+    return total, logs
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+@torch.no_grad()
+def tau_by_decoding(target, drafter: ModelDrafter, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    """Greedy speculative decoding of ``prompts`` (batch 1): tau = committed tokens per verification."""
+    from ..decoding import generate_speculative
+
+    tokens = steps = 0
+    for p in prompts:
+        g = generate_speculative(target, drafter, p, max_new_tokens)
+        tokens += len(g.token_ids)
+        steps += g.n_steps
+    return {"tau": tokens / max(1, steps), "tokens": tokens, "steps": steps, "prompts": len(prompts)}
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None) -> dict[str, Any]:
+    """What makes a stage's result: config sections, data, method, steps and its starting point."""
+    return {"stage": stage, "method": method, "steps": steps, "init": init, "seed": cfg.seed,
+            "drafter": asdict(cfg.drafter), "head": asdict(cfg.head), "train": asdict(cfg.train),
+            "data": config_hash(regen_signature(cfg))}
+
+
+def checkpoint_dir(cfg: Config, stage: str) -> Path:
+    return paths.CHECKPOINTS / cfg.preset / stage
+
+
+def read_state(folder: Path) -> dict | None:
+    """The stage state of a checkpoint folder (None if absent); a corrupt one is a TrainingError."""
+    f = folder / STATE_FILE
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TrainingError(f"{f} is unreadable ({e.__class__.__name__}); remove {folder} or pass --overwrite") from None
+
+
+def _save(folder: Path, module: CoTrainer, vocab: DraftVocab, method: str, optimizer, step: int,
+          steps: int, signature: dict, log: list[dict], extra: dict) -> None:
+    from ..utils import atomic_dir, atomic_write_json
+
+    with atomic_dir(folder) as tmp:
+        save_drafter(tmp, module.drafter, module.head, vocab, method)
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "log": log}, tmp / TRAINER_FILE)
+        atomic_write_json(tmp / STATE_FILE, {"method": method, "step": step, "steps": steps,
+                                              "complete": step >= steps, "signature": signature,
+                                              "signature_hash": config_hash(signature), **extra})
+
+
+def _lr(step: int, steps: int, cfg: Config) -> float:
+    """Linear warmup over ``warmup_frac`` of the steps, then cosine decay to 0."""
+    warm = max(1, int(cfg.train.warmup_frac * steps))
+    if step < warm:
+        return cfg.train.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return cfg.train.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
+              init: str | None = None, progress: bool = True, overwrite: bool = False,
+              stop_after: int | None = None, accelerator=None) -> dict[str, Any]:
+    """Train one stage to ``steps`` steps, resuming its checkpoint; returns the stage summary.
+
+    ``init``: a checkpoint folder whose DRAFTER weights start this stage (the head starts fresh), or
+    None for a fresh drafter. ``stop_after``: stop (with a checkpoint) once this step is reached, as an
+    interruption would. A complete stage of the same signature is skipped.
+    """
+    from tqdm.auto import tqdm
+
+    from ..targets import load_target
+    from ..utils import atomic_write_json, atomic_write_text, provenance
+
+    if method not in METHODS:
+        raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
+    folder = checkpoint_dir(cfg, stage)
+    signature = stage_signature(cfg, stage, method, steps, init)
+    state = read_state(folder)
+    if state is not None and state.get("signature_hash") != config_hash(signature):
+        if not overwrite:
+            raise TrainingError(f"{folder} holds a checkpoint of another config or method (stage {state.get('method')!r}, "
+                                f"step {state.get('step')}); remove it or pass --overwrite to start over")
+        state = None
+    if state is not None and state.get("complete"):
+        return {"stage": stage, "method": method, "skipped": True, **state}
+
+    if accelerator is None:
+        from accelerate import Accelerator
+
+        mp = cfg.train.mixed_precision
+        if mp == "auto":
+            mp = "bf16" if torch.cuda.is_available() else "no"
+        accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    data = data or RegenData.load(cfg)
+    if not data.has_states:
+        raise TrainingError(f"{data.folder} holds no captured target states: regenerate with data.cache_features=true")
+    target = target or load_target(cfg)
+    vocab, coverage = build_vocab(cfg, target, data)
+
+    if state is not None:
+        try:
+            drafter = load_drafter(folder, method, cfg, target)
+            trainer_state = torch.load(folder / TRAINER_FILE, weights_only=False)
+        except Exception as e:  # a truncated or foreign file: one clear line
+            raise TrainingError(f"checkpoint {folder} is corrupt or incomplete ({e.__class__.__name__}: "
+                                f"{str(e).splitlines()[0][:200]}); remove it or pass --overwrite") from None
+        if drafter.vocab != vocab:
+            raise TrainingError(f"{folder} was trained with another draft vocabulary; pass --overwrite")
+        start, log = int(trainer_state["step"]), list(trainer_state["log"])
+    else:
+        drafter = new_drafter(method, cfg, target, vocab, seed=cfg.seed)
+        if init is not None:
+            try:
+                warm = load_drafter(init, "dflash", cfg, target)
+            except Exception as e:
+                raise TrainingError(f"cannot start from {init} ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})") from None
+            drafter.drafter.load_state_dict(warm.drafter.state_dict())
+        elif cfg.drafter.init_from_target:
+            init_from_target_layers(drafter.drafter, target)
+        trainer_state, start, log = None, 0, []
+
+    module = CoTrainer(drafter.drafter, drafter.head, vocab).train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if trainer_state is not None:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+    model, optimizer = accelerator.prepare(module, optimizer)
+    readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
+
+    train_rows = data.indices("train")
+    if not train_rows:
+        raise TrainingError(f"{data.folder} holds no training sequences")
+    val_prompts = data.prompts("val")[:cfg.train.eval_prompts]
+    world, rank = accelerator.num_processes, accelerator.process_index
+    end = steps if stop_after is None else min(steps, stop_after)
+    head_free = method == "dflash"
+
+    def evaluate() -> dict[str, float] | None:
+        if not (main and val_prompts):
+            return None
+        module.eval()
+        md = ModelDrafter(module.drafter, module.head, vocab, method, cfg.head.max_iters)
+        result = tau_by_decoding(target, md, val_prompts, cfg.train.eval_max_new_tokens)
+        module.train()
+        return result
+
+    bar = tqdm(total=steps, initial=start, desc=f"train {stage}", unit="step", disable=not (progress and main),
+               dynamic_ncols=True)
+    t_last, tokens_since = time.perf_counter(), 0
+    t_stage = time.perf_counter()
+    step = start
+    interrupted = False
+    try:
+        while step < end:
+            gen = step_generator(cfg.seed, step, rank)
+            pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
+            rows = [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
+            batch = make_batch(data, rows, cfg, gen).to(accelerator.device)
+            for g in optimizer.param_groups:
+                g["lr"] = _lr(step, steps, cfg)
+            aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
+            with accelerator.autocast():
+                out = model(batch, consistency=cfg.train.consistency_weight > 0 and not head_free)
+                loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            grad_norm = accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
+            optimizer.step()
+            step += 1
+            tokens_since += int(batch.label_valid.sum()) * world
+            bar.update(1)
+            if step % cfg.train.log_every == 0 or step == steps:
+                now = time.perf_counter()
+                row = {"step": step, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
+                       "tokens_per_s": tokens_since / max(now - t_last, 1e-9), **logs}
+                t_last, tokens_since = now, 0
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
+                    row["val"] = evaluate()
+                log.append(row)
+                bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}")
+            if main and step % cfg.train.checkpoint_every == 0 and step < end:
+                _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    final_eval = evaluate() if step >= steps else None
+    if final_eval is not None and log:
+        log[-1]["val"] = final_eval
+    if main:
+        _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+    accelerator.wait_for_everyone()
+    summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
+               "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
+               "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
+    if main:
+        out = paths.RESULTS / cfg.preset
+        atomic_write_json(out / f"train_{stage}.json", {**summary, "log": log, "signature": signature,
+                                                        "provenance": provenance(cfg.preset, world_size=world)})
+        atomic_write_text(out / f"train_{stage}.csv", _csv(log))
+    if interrupted:
+        raise KeyboardInterrupt
+    return summary
+
+
+def _csv(log: list[dict]) -> str:
+    import csv
+    import io
+
+    flat = []
+    for row in log:
+        r = {k: v for k, v in row.items() if k not in ("tf_accept", "val")}
+        r.update({f"tf_accept_{k + 1}": a for k, a in enumerate(row.get("tf_accept", []))})
+        if row.get("val"):
+            r["val_tau"] = row["val"]["tau"]
+        flat.append(r)
+    keys = list(dict.fromkeys(k for r in flat for k in r))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    w.writerows(flat)
+    return buf.getvalue()
+
+
+def train(cfg: Config, method: str, *, progress: bool = True, overwrite: bool = False,
+          stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``method`` on the preset: the shared warm start (if ``train.warm_start_steps``), then the
+    method's co-training stage. Returns the summaries of both stages."""
+    from ..targets import load_target
+
+    data = RegenData.load(cfg)
+    target = load_target(cfg)
+    out: dict[str, Any] = {}
+    init = None
+    if cfg.train.warm_start_steps > 0:
+        out[WARM_START] = run_stage(cfg, WARM_START, "dflash", cfg.train.warm_start_steps, target=target,
+                                    data=data, progress=progress, overwrite=overwrite, stop_after=stop_after)
+        if not out[WARM_START]["complete"]:
+            return out
+        init = str(checkpoint_dir(cfg, WARM_START))
+        stop_after = None if stop_after is None else max(0, stop_after - cfg.train.warm_start_steps)
+    out[method] = run_stage(cfg, method, method, cfg.train.steps, target=target, data=data, init=init,
+                            progress=progress, overwrite=overwrite, stop_after=stop_after)
+    return out

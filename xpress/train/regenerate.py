@@ -1,0 +1,399 @@
+"""Regeneration: the target answers the training prompts itself, so the drafter learns the distribution
+it must predict at inference (the dFlash / SpecForge recipe: greedy, T = 0, chat template, thinking off).
+
+    python -m xpress regenerate --preset cpu       # data/cpu/regen/
+
+Prompts come from :func:`xpress.data.training_prompts` (GSM8K train, MATH train, ShareGPT first turns;
+benchmark questions excluded). The last ``data.n_val_prompts`` of them form the validation split, never
+trained on. Prompts longer than ``data.regen_max_prompt_tokens`` (at most ``train.max_len -
+data.regen_max_new_tokens``) tokens are skipped, so that answers fit a training window; the manifest
+counts them.
+
+Generation runs through the decoding engine's ragged batches (:func:`xpress.decoding.generate_ar_batch`).
+With ``data.cache_features`` the target's states are captured *during* that generation by forward hooks
+(:func:`capture_target_states`), so training never runs the target:
+
+- ``features`` [T, F] float16: the drafter's context feature of every token (the selected layers'
+  outputs, concatenated; :func:`xpress.targets.target_forward` computes the same);
+- ``hidden`` [T, H] float16: the target's final-normed hidden state (what its ``lm_head`` reads), and
+- ``lse`` [T] float32: ``logsumexp`` of the target's logits there (NaN inside the prompt),
+
+so the target distribution of token ``t`` over any draft vocabulary is
+``exp(lm_head.weight[d2t] @ hidden[t-1] - lse[t-1])``: exact, without storing [T, V] probabilities. The
+final token's row is zero (it is never fed). Disk cost per token: ``2F + 2H + 4`` bytes (SmolLM2 with 5
+feature layers: 6,916 bytes).
+
+On disk, ``data/<preset>/regen/``: shards ``shard-00000/`` ... each written in one atomic rename, holding
+``rows/`` (a ``datasets`` Arrow table: id, split, input_ids, loss_mask, prompt_len, finish_reason,
+offset) and ``features.npy``, ``hidden.npy``, ``lse.npy`` (rows of all its sequences, one after another,
+from ``offset``). ``manifest.json`` is written last: its presence with a matching config hash means the
+data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
+only the missing ones (deterministic: the same prompts in the same shards), so no record is lost or
+duplicated; a complete run rerun does nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .. import paths
+from ..config import Config
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+
+class RegenerationError(RuntimeError):
+    """Regenerated data that are missing, incomplete or made for another config; the message says how
+    to fix it."""
+
+
+def regen_dir(cfg: Config) -> Path:
+    """``data/<preset>/regen``."""
+    return paths.DATA / cfg.preset / "regen"
+
+
+def regen_signature(cfg: Config) -> dict[str, Any]:
+    """Everything that changes what regeneration writes (the config hash is taken over this)."""
+    t, d = cfg.target, cfg.data
+    return {"target": {"source": t.source, "model": t.model, "gguf_package": t.gguf_package, "dtype": t.dtype,
+                       **({"random": [t.random_layers, t.random_hidden, t.random_heads, t.random_kv_heads,
+                                      t.random_intermediate, t.random_init_std]} if t.source == "random" else {})},
+            "seed": cfg.seed, "num_target_features": cfg.drafter.num_target_features,
+            "n_train_prompts": d.n_train_prompts, "n_val_prompts": d.n_val_prompts,
+            "regen_max_new_tokens": d.regen_max_new_tokens, "max_prompt_tokens": max_prompt_tokens(cfg),
+            "regen_shard_size": d.regen_shard_size, "cache_features": d.cache_features}
+
+
+def config_hash(signature: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def max_prompt_tokens(cfg: Config) -> int:
+    """Longer prompts are skipped: ``data.regen_max_prompt_tokens``, capped so that a prompt and its
+    answer fit one training window (``train.max_len``)."""
+    return max(1, min(cfg.data.regen_max_prompt_tokens, cfg.train.max_len - cfg.data.regen_max_new_tokens))
+
+
+# ----------------------------------------------------------------------------------------------- capture
+@dataclass
+class _Call:
+    features: torch.Tensor  # [b, n, F] float16
+    hidden: torch.Tensor  # [b, n, H] float16
+    lse: torch.Tensor  # [b] float32, at the last input position (the only logits the engine keeps)
+
+
+@contextmanager
+def capture_target_states(target) -> Iterator[list[_Call]]:
+    """Record, for every forward of ``target.model`` inside the block, the selected layers' outputs
+    (the drafter features), the final-normed hidden state and the logsumexp of the kept logits.
+
+    Yields the list the calls are appended to, one :class:`_Call` per forward (in order). Hooks, not a
+    second forward: the engine's own generation forwards are observed, at no extra target cost.
+    """
+    decoder = target.model.get_decoder()
+    layers = list(decoder.layers)
+    wanted = {i: None for i in target.layer_ids}
+    calls: list[_Call] = []
+    state: dict[str, Any] = {}
+
+    def on_layer(i):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            state[i] = out.detach().to(torch.float16)
+        return hook
+
+    def on_norm(_module, _inputs, output):
+        state["hidden"] = output.detach().to(torch.float16)
+
+    def on_head(_module, _inputs, output):
+        lse = torch.logsumexp(output[:, -1].float(), dim=-1)  # [b]
+        feats = torch.cat([state.pop(i) for i in wanted], dim=-1)
+        calls.append(_Call(feats, state.pop("hidden"), lse))
+
+    handles = [layers[i].register_forward_hook(on_layer(i)) for i in wanted]
+    handles.append(decoder.norm.register_forward_hook(on_norm))
+    handles.append(target.model.get_output_embeddings().register_forward_hook(on_head))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def assemble_rows(calls: Sequence[_Call], prompts: Sequence[Sequence[int]], generated: Sequence[Sequence[int]]
+                  ) -> list[dict[str, np.ndarray]]:
+    """Per sequence ``prompt + generated`` (T tokens), the captured ``features`` [T, F], ``hidden``
+    [T, H] and ``lse`` [T] from the calls of one :func:`~xpress.decoding.generate_ar_batch` run: call 0
+    is the left-padded prefill of the whole prompts, call ``1 + j`` feeds generated token ``j`` of every
+    row (finished rows keep being fed). The last token of a sequence is never fed: its row is zero."""
+    prefill = calls[0]
+    L = prefill.features.shape[1]
+    out = []
+    for i, (p, g) in enumerate(zip(prompts, generated)):
+        n_p, n_g = len(p), len(g)
+        T = n_p + n_g
+        steps = calls[1:n_g]  # generated tokens 0 .. n_g - 2 were fed
+        feats = [prefill.features[i, L - n_p:]] + [c.features[i] for c in steps]
+        hidden = [prefill.hidden[i, L - n_p:]] + [c.hidden[i] for c in steps]
+        lse = np.full(T, np.nan, dtype=np.float32)
+        lse[n_p - 1] = float(prefill.lse[i])
+        for j, c in enumerate(steps):
+            lse[n_p + j] = float(c.lse[i])
+        f, h = torch.cat(feats).numpy(), torch.cat(hidden).numpy()
+        out.append({"features": np.concatenate([f, np.zeros((1, f.shape[1]), f.dtype)]),
+                    "hidden": np.concatenate([h, np.zeros((1, h.shape[1]), h.dtype)]), "lse": lse})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ regeneration
+def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
+    """The regeneration prompts (train, then val) with their token ids; and how many were too long."""
+    from ..data import training_prompts
+    from ..targets import encode_chat
+
+    n_train, n_val = cfg.data.n_train_prompts, cfg.data.n_val_prompts
+    limit = max_prompt_tokens(cfg)
+    # draw more than needed so that skipped (too long) prompts are replaced, deterministically
+    pool = training_prompts(int((n_train + n_val) * 1.25) + 8, seed=cfg.seed)
+    kept, skipped = [], 0
+    for rec in pool:
+        ids = encode_chat(tokenizer, rec["turns"][:1])
+        if len(ids) > limit:
+            skipped += 1
+            continue
+        kept.append({**rec, "prompt_ids": ids})
+        if len(kept) == n_train + n_val:
+            break
+    for i, rec in enumerate(kept):
+        rec["split"] = "train" if i < min(n_train, len(kept) - n_val) else "val"
+    return kept, skipped
+
+
+def _generate_shard(target, cfg: Config, records: list[dict]) -> tuple[dict[str, list], dict[str, np.ndarray]]:
+    """Regenerate one shard's prompts in ragged batches (prompts of similar length together)."""
+    from ..decoding import generate_ar_batch
+
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]))
+    results: dict[int, tuple[list[int], str, dict | None]] = {}
+    bs = cfg.data.regen_batch_size
+    for start in range(0, len(order), bs):
+        idx = order[start:start + bs]
+        prompts = [records[i]["prompt_ids"] for i in idx]
+        if cfg.data.cache_features:
+            with capture_target_states(target) as calls:
+                gens = generate_ar_batch(target, prompts, cfg.data.regen_max_new_tokens)
+            rows = assemble_rows(calls, prompts, [g.token_ids for g in gens])
+        else:
+            gens = generate_ar_batch(target, prompts, cfg.data.regen_max_new_tokens)
+            rows = [None] * len(gens)
+        for i, g, r in zip(idx, gens, rows):
+            results[i] = (g.token_ids, g.finish_reason, r)
+    table: dict[str, list] = {k: [] for k in ("id", "split", "input_ids", "loss_mask", "prompt_len",
+                                              "finish_reason", "offset")}
+    arrays: dict[str, list[np.ndarray]] = {"features": [], "hidden": [], "lse": []}
+    offset = 0
+    for i, rec in enumerate(records):
+        gen, reason, r = results[i]
+        p = rec["prompt_ids"]
+        table["id"].append(rec["id"])
+        table["split"].append(rec["split"])
+        table["input_ids"].append(list(p) + list(gen))
+        table["loss_mask"].append([0] * len(p) + [1] * len(gen))
+        table["prompt_len"].append(len(p))
+        table["finish_reason"].append(reason)
+        table["offset"].append(offset)
+        offset += len(p) + len(gen)
+        if r is not None:
+            for k in arrays:
+                arrays[k].append(r[k])
+    stacked = {k: np.concatenate(v) for k, v in arrays.items() if v}
+    return table, stacked
+
+
+def _write_shard(folder: Path, table: dict[str, list], arrays: dict[str, np.ndarray]) -> None:
+    from datasets import Dataset, disable_progress_bars
+
+    disable_progress_bars()
+    from ..utils import atomic_dir
+
+    with atomic_dir(folder) as tmp:
+        Dataset.from_dict(table).save_to_disk(str(tmp / "rows"))
+        for k, v in arrays.items():
+            np.save(tmp / f"{k}.npy", v)
+
+
+def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """Regenerate ``data/<preset>/regen`` (resuming an interrupted run); return the manifest.
+
+    A folder holding a complete run of the same config is left alone (the manifest is returned with
+    ``"skipped": True``). Shards of another config raise :class:`RegenerationError` unless ``overwrite``.
+    """
+    import shutil
+
+    from tqdm.auto import tqdm
+
+    from ..targets import load_target
+    from ..utils import atomic_write_json, provenance
+
+    folder = regen_dir(cfg)
+    signature = regen_signature(cfg)
+    digest = config_hash(signature)
+    manifest_file = folder / MANIFEST
+    if manifest_file.is_file():
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("config_hash") == digest:
+            return {**manifest, "skipped": True}
+    stamp = folder / "config_hash"
+    if folder.exists() and any(folder.iterdir()):
+        old = stamp.read_text().strip() if stamp.is_file() else "unknown"
+        if old != digest:
+            if not overwrite:
+                raise RegenerationError(
+                    f"{folder} holds data regenerated with another config (hash {old}, this config {digest}); "
+                    f"remove that folder or pass --overwrite to regenerate")
+            shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(digest + "\n")
+
+    t_start = time.perf_counter()
+    target = target or load_target(cfg)
+    records, skipped = _prompts(cfg, target.tokenizer)
+    size = cfg.data.regen_shard_size
+    shards = [records[s:s + size] for s in range(0, len(records), size)]
+    todo = [i for i in range(len(shards)) if not (folder / f"shard-{i:05d}" / "rows").is_dir()]
+    done_prompts = sum(len(shards[i]) for i in range(len(shards)) if i not in todo)
+    bar = tqdm(total=len(records), initial=done_prompts, desc=f"regenerate {cfg.preset}", unit="prompt",
+               disable=not progress, dynamic_ncols=True)
+    new_tokens, gen_s = 0, 0.0
+    try:
+        for i in todo:
+            t0 = time.perf_counter()
+            table, arrays = _generate_shard(target, cfg, shards[i])
+            _write_shard(folder / f"shard-{i:05d}", table, arrays)
+            gen_s += time.perf_counter() - t0
+            new_tokens += sum(len(x) - p for x, p in zip(table["input_ids"], table["prompt_len"]))
+            bar.update(len(shards[i]))
+            bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.0f}", shard=f"{i + 1}/{len(shards)}")
+    finally:
+        bar.close()
+
+    data = RegenData.load(cfg, require_complete=False)
+    counts = {s: data.count(s) for s in SPLITS}
+    tokens = {s: data.response_tokens(s) for s in SPLITS}
+    disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    total_tokens = sum(len(r) for r in data.input_ids)
+    manifest = {
+        "what": "target-regenerated training data (greedy, chat template, thinking off)",
+        "preset": cfg.preset, "target": target.name, "config_hash": digest, "signature": signature,
+        "shards": len(shards), "sequences": counts, "response_tokens": tokens, "total_tokens": total_tokens,
+        "skipped_long_prompts": skipped, "max_prompt_tokens": max_prompt_tokens(cfg),
+        "finish_reasons": data.finish_reasons(),
+        "cached_features": cfg.data.cache_features,
+        "feature_bytes_per_token": (2 * target.feature_size + 2 * target.hidden_size + 4) if cfg.data.cache_features else 0,
+        "disk_bytes": disk,
+        "this_run": {"new_response_tokens": new_tokens, "seconds": time.perf_counter() - t_start,
+                     "generation_seconds": gen_s, "tokens_per_s": new_tokens / gen_s if gen_s else None,
+                     "shards_generated": len(todo)},
+        "provenance": provenance(cfg.preset),
+    }
+    atomic_write_json(manifest_file, manifest)
+    return {**manifest, "skipped": False}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class RegenData:
+    """Regenerated sequences of all shards, with memory-mapped captured states.
+
+    ``input_ids[i]`` (list of ints), ``prompt_len[i]``, ``split[i]``; :meth:`states` gives
+    ``features`` [T, F], ``hidden`` [T, H] (float16 memmaps) and ``lse`` [T] of sequence ``i``.
+    """
+
+    def __init__(self, folder: Path, manifest: dict | None):
+        from datasets import load_from_disk
+
+        self.folder, self.manifest = folder, manifest
+        self.ids, self.split, self.input_ids, self.prompt_len, self.finish = [], [], [], [], []
+        self._where: list[tuple[int, int]] = []  # (shard, offset)
+        self._arrays: list[dict[str, np.ndarray]] = []
+        for s, shard in enumerate(sorted(folder.glob("shard-*"))):
+            rows = load_from_disk(str(shard / "rows"))
+            cols = rows.to_dict()
+            self.ids += cols["id"]
+            self.split += cols["split"]
+            self.input_ids += cols["input_ids"]
+            self.prompt_len += cols["prompt_len"]
+            self.finish += cols["finish_reason"]
+            self._where += [(s, o) for o in cols["offset"]]
+            self._arrays.append({k: np.load(shard / f"{k}.npy", mmap_mode="r")
+                                 for k in ("features", "hidden", "lse") if (shard / f"{k}.npy").is_file()})
+
+    @classmethod
+    def load(cls, cfg: Config, require_complete: bool = True) -> "RegenData":
+        """The preset's regenerated data; :class:`RegenerationError` when missing, incomplete or stale."""
+        folder = regen_dir(cfg)
+        manifest_file = folder / MANIFEST
+        if require_complete:
+            if not manifest_file.is_file():
+                raise RegenerationError(
+                    f"no complete regenerated data at {folder}: run `python -m xpress regenerate --preset "
+                    f"{cfg.preset}` first (it resumes if it was interrupted)")
+            manifest = json.loads(manifest_file.read_text())
+            digest = config_hash(regen_signature(cfg))
+            if manifest.get("config_hash") != digest:
+                raise RegenerationError(
+                    f"{folder} was regenerated with another config (hash {manifest.get('config_hash')}, this "
+                    f"config {digest}); rerun `python -m xpress regenerate --preset {cfg.preset} --overwrite`")
+        else:
+            manifest = None
+        return cls(folder, manifest)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def indices(self, split: str) -> list[int]:
+        return [i for i, s in enumerate(self.split) if s == split]
+
+    def count(self, split: str) -> int:
+        return len(self.indices(split))
+
+    def response_tokens(self, split: str) -> int:
+        return sum(len(self.input_ids[i]) - self.prompt_len[i] for i in self.indices(split))
+
+    def finish_reasons(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.finish:
+            out[r] = out.get(r, 0) + 1
+        return out
+
+    @property
+    def has_states(self) -> bool:
+        return bool(self._arrays) and all("features" in a for a in self._arrays)
+
+    def states(self, i: int) -> dict[str, np.ndarray]:
+        """Captured target states of sequence ``i``: features [T, F], hidden [T, H], lse [T]."""
+        if not self.has_states:
+            raise RegenerationError(f"{self.folder} holds no captured target states (data.cache_features "
+                                    f"was off); regenerate with data.cache_features=true")
+        s, o = self._where[i]
+        T = len(self.input_ids[i])
+        return {k: v[o:o + T] for k, v in self._arrays[s].items()}
+
+    def token_counts(self, vocab_size: int, split: str = "train") -> torch.Tensor:
+        """How often each target id occurs among the response tokens of ``split``: [V] int64."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for i in self.indices(split):
+            np.add.at(counts, np.asarray(self.input_ids[i][self.prompt_len[i]:], dtype=np.int64), 1)
+        return torch.from_numpy(counts)
+
+    def prompts(self, split: str) -> list[list[int]]:
+        """The chat-formatted prompt ids of ``split`` (for tau by decoding on held-out sequences)."""
+        return [self.input_ids[i][:self.prompt_len[i]] for i in self.indices(split)]
