@@ -7,6 +7,9 @@ Commands:
   decode   decode prompts with a method, e.g.
            ``python -m xpress decode --preset cpu --method oracle --bench gsm8k --limit 4 --out out.jsonl``
   bench    benchmark records, e.g. ``python -m xpress bench oracle-ceiling --preset cpu``
+  regenerate  the target answers the training prompts (resumable): ``python -m xpress regenerate --preset cpu``
+  train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
+           (several processes: ``accelerate launch -m xpress train ...`` or ``torchrun --nproc_per_node N -m xpress train ...``)
 """
 from __future__ import annotations
 
@@ -17,9 +20,13 @@ from typing import Sequence
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .pipeline import run_notebooks
+    from .pipeline import NotebookFailed, run_notebooks
 
-    run_notebooks(args.preset, only=args.only, overrides=args.overrides)
+    try:
+        run_notebooks(args.preset, only=args.only, overrides=args.overrides)
+    except NotebookFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -60,6 +67,52 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .train.regenerate import RegenerationError, regenerate
+    from .targets import TargetError
+
+    try:
+        m = regenerate(load_config(args.preset, args.overrides), progress=not args.no_progress,
+                       overwrite=args.overwrite)
+    except (RegenerationError, TargetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: every finished shard is kept; rerun the same command to continue", file=sys.stderr)
+        return 130
+    if m.get("skipped"):
+        print(f"regenerate: {m['sequences']} sequences already complete for this config; nothing to do", file=sys.stderr)
+    print(json.dumps({k: m[k] for k in ("sequences", "response_tokens", "skipped_long_prompts", "disk_bytes",
+                                        "feature_bytes_per_token", "skipped")}))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .drafter import DrafterMismatchError
+    from .targets import TargetError
+    from .train.loop import TrainingError, train
+    from .train.regenerate import RegenerationError
+
+    try:
+        out = train(load_config(args.preset, args.overrides), args.method, progress=not args.no_progress,
+                    overwrite=args.overwrite, stop_after=args.stop_after)
+    except (TrainingError, RegenerationError, TargetError, DrafterMismatchError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: a checkpoint of the last finished step was written; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    for stage, s in out.items():
+        state = "already complete, skipped" if s.get("skipped") else f"step {s['step']}/{s['steps']}"
+        print(f"train {stage} ({s['method']}): {state}; checkpoint {s.get('checkpoint', '')}", file=sys.stderr)
+    print(json.dumps({stage: {k: s.get(k) for k in ("method", "step", "steps", "complete", "skipped", "final_val")}
+                      for stage, s in out.items()}))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run
 
@@ -86,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_config)
 
-    from .methods import METHODS
+    from .methods import METHODS, MODEL_METHODS
 
     p = sub.add_parser("decode", help="decode prompts with a method; one JSON line per prompt",
                        description="Each output line: id, method, token_ids (concatenated over turns), text, "
@@ -108,6 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_decode)
 
     from .bench import add_arguments
+
+    p = sub.add_parser("regenerate", help="the target answers the training prompts (data/<preset>/regen)")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--overwrite", action="store_true", help="discard data regenerated with another config")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(func=_cmd_regenerate)
+
+    p = sub.add_parser("train", help="co-train a drafter and its head (checkpoints/<preset>/<method>)")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--method", required=True, choices=MODEL_METHODS)
+    p.add_argument("--overwrite", action="store_true", help="discard a checkpoint of another config")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after this many steps in all, as an interruption would")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
     add_arguments(p)

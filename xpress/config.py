@@ -98,6 +98,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between tau-by-decoding on the validation split (0 = only at the end)
     eval_prompts: int = 4  # validation prompts decoded per evaluation
     eval_max_new_tokens: int = 64
+    refiner_only: bool = False  # freeze the drafter, train the head only (over a released dFlash drafter)
     mixed_precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or "no", "bf16"
 
 
@@ -124,6 +125,15 @@ class DecodeConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out benchmark decoding that compares the methods (tau by decoding, speedup over AR)."""
+
+    prompts_per_benchmark: int = 8  # first user turns of each of data.benchmarks
+    max_new_tokens: int = 128
+    methods: list[str] = field(default_factory=lambda: ["dflash", "markov", "xpress"])
+
+
+@dataclass
 class Config:
     preset: str = "smoke"
     seed: int = 0
@@ -133,6 +143,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,6 +168,8 @@ class Config:
         _check(self.train.gamma > 0, "train.gamma must be positive")
         _check(self.decode.temperature >= 0, "decode.temperature must be >= 0 (0 = greedy)")
         _check(self.decode.max_new_tokens >= 1, "decode.max_new_tokens must be at least 1")
+        _check(self.eval.prompts_per_benchmark >= 1 and self.eval.max_new_tokens >= 1,
+               "eval.prompts_per_benchmark and eval.max_new_tokens must be at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
         _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
                "data sizes must be >= 0")

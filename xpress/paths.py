@@ -10,11 +10,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
-DATA = REPO_ROOT / "data"
+# ``$XPRESS_DATA`` and ``$XPRESS_CHECKPOINTS`` redirect regenerated data and checkpoints (tests that run
+# ``python -m xpress regenerate/train`` in a subprocess point them at a temporary folder)
+DATA = Path(os.environ.get("XPRESS_DATA", REPO_ROOT / "data")).expanduser().resolve()
 # ``$XPRESS_RESULTS`` redirects results (``make test`` does, so test runs never touch the committed ones)
 RESULTS = Path(os.environ.get("XPRESS_RESULTS", REPO_ROOT / "results")).expanduser().resolve()
 FIGURES = RESULTS / "figures"
-CHECKPOINTS = REPO_ROOT / "checkpoints"
+CHECKPOINTS = Path(os.environ.get("XPRESS_CHECKPOINTS", REPO_ROOT / "checkpoints")).expanduser().resolve()
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,30 +121,54 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
+def online_states(target, ids: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The target states that regeneration would have cached, computed now by one teacher-forced
+    forward over right-padded ``ids`` [b, L] (``valid`` [b, L]): features [b, L, F], hidden [b, L, H]
+    (final-normed) and lse [b, L], float32 (for presets that do not cache them, e.g. Qwen3-8B, where the
+    features would take ~40 kB per token)."""
+    from ..targets import target_forward
+    from .regenerate import capture_target_states
+
+    with torch.no_grad(), capture_target_states(target) as calls:
+        step = target_forward(target, ids.to(target.device), attention_mask=valid.long().to(target.device))
+    return {"features": step.features.float(), "hidden": calls[-1].hidden.float(),
+            "lse": torch.logsumexp(step.logits, dim=-1)}
+
+
 def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.Generator,
-               anchors: list[list[int]] | None = None) -> Batch:
-    """Collate sequences ``rows`` (cut to ``train.max_len``) with random anchors (or the given ones)."""
+               anchors: list[list[int]] | None = None, target=None) -> Batch:
+    """Collate sequences ``rows`` (cut to ``train.max_len``) with random anchors (or the given ones).
+    Target states come from the regenerated cache, or from ``target`` when the data hold none."""
     B, nb, max_len = cfg.drafter.block_size, cfg.train.anchors_per_seq, cfg.train.max_len
     P = B - 1
     seqs = [data.input_ids[i][:max_len] for i in rows]
     L = max(len(s) for s in seqs)
-    states = [data.states(i) for i in rows]
-    F_, H = states[0]["features"].shape[1], states[0]["hidden"].shape[1]
     b = len(rows)
     ids = torch.zeros(b, L, dtype=torch.long)
     valid = torch.zeros(b, L, dtype=torch.bool)
-    feats = torch.zeros(b, L, F_)
-    hid = torch.zeros(b, L, H)
-    lse = torch.zeros(b, L)
+    for j, s in enumerate(seqs):
+        ids[j, :len(s)] = torch.tensor(s)
+        valid[j, :len(s)] = True
+    if data.has_states:
+        states = [data.states(i) for i in rows]
+        feats = torch.zeros(b, L, states[0]["features"].shape[1])
+        hid = torch.zeros(b, L, states[0]["hidden"].shape[1])
+        lse = torch.zeros(b, L)
+        for j, (s, st) in enumerate(zip(seqs, states)):
+            T = len(s)
+            feats[j, :T] = torch.from_numpy(np.asarray(st["features"][:T], dtype=np.float32))
+            hid[j, :T] = torch.from_numpy(np.asarray(st["hidden"][:T], dtype=np.float32))
+            lse[j, :T] = torch.from_numpy(np.nan_to_num(np.asarray(st["lse"][:T], dtype=np.float32)))
+    elif target is not None:
+        st = online_states(target, ids, valid)
+        feats, hid, lse = (st[k].cpu() for k in ("features", "hidden", "lse"))
+    else:
+        raise TrainingError(f"{data.folder} holds no captured target states and no target was given to compute them")
+    H = hid.shape[-1]
     a_pos = torch.zeros(b, nb, dtype=torch.long)
     a_valid = torch.zeros(b, nb, dtype=torch.bool)
-    for j, (i, s, st) in enumerate(zip(rows, seqs, states)):
+    for j, (i, s) in enumerate(zip(rows, seqs)):
         T = len(s)
-        ids[j, :T] = torch.tensor(s)
-        valid[j, :T] = True
-        feats[j, :T] = torch.from_numpy(np.asarray(st["features"][:T], dtype=np.float32))
-        hid[j, :T] = torch.from_numpy(np.asarray(st["hidden"][:T], dtype=np.float32))
-        lse[j, :T] = torch.from_numpy(np.nan_to_num(np.asarray(st["lse"][:T], dtype=np.float32)))
         if anchors is not None:
             chosen = torch.tensor(anchors[j], dtype=torch.long)
         else:
@@ -158,8 +183,7 @@ def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.G
     lengths = valid.sum(1)[:, None, None]
     label_valid = (where < lengths) & a_valid[:, :, None]
     where = where.clamp_max(L - 1)
-    flat = where.reshape(b, -1)
-    labels = ids.gather(1, flat).view(b, nb, P)
+    labels = ids.gather(1, where.reshape(b, -1)).view(b, nb, P)
     before = (where - 1).reshape(b, -1)
     t_hidden = hid.gather(1, before[..., None].expand(-1, -1, H)).view(b, nb, P, H)
     t_lse = lse.gather(1, before).view(b, nb, P)
@@ -307,7 +331,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     state = read_state(folder)
     if state is not None and state.get("signature_hash") != config_hash(signature):
         if not overwrite:
-            raise TrainingError(f"{folder} holds a checkpoint of another config or method (stage {state.get('method')!r}, "
+            raise TrainingError(f"{folder} holds a checkpoint of another config or method (method {state.get('method')!r}, "
                                 f"step {state.get('step')}); remove it or pass --overwrite to start over")
         state = None
     if state is not None and state.get("complete"):
@@ -322,8 +346,6 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         accelerator = Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
     data = data or RegenData.load(cfg)
-    if not data.has_states:
-        raise TrainingError(f"{data.folder} holds no captured target states: regenerate with data.cache_features=true")
     target = target or load_target(cfg)
     vocab, coverage = build_vocab(cfg, target, data)
 
@@ -340,16 +362,18 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     else:
         drafter = new_drafter(method, cfg, target, vocab, seed=cfg.seed)
         if init is not None:
-            try:
-                warm = load_drafter(init, "dflash", cfg, target)
+            try:  # a checkpoint folder (the warm start), or a released drafter (folder or hub id)
+                warm = DFlashDraftModel.from_pretrained(init, target=target)
             except Exception as e:
                 raise TrainingError(f"cannot start from {init} ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})") from None
-            drafter.drafter.load_state_dict(warm.drafter.state_dict())
+            drafter.drafter.load_state_dict(warm.state_dict())
         elif cfg.drafter.init_from_target:
             init_from_target_layers(drafter.drafter, target)
         trainer_state, start, log = None, 0, []
 
     module = CoTrainer(drafter.drafter, drafter.head, vocab).train()
+    if cfg.train.refiner_only and method != "dflash":
+        module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     if trainer_state is not None:
@@ -385,7 +409,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
             gen = step_generator(cfg.seed, step, rank)
             pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
             rows = [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
-            batch = make_batch(data, rows, cfg, gen).to(accelerator.device)
+            batch = make_batch(data, rows, cfg, gen, target=target).to(accelerator.device)
             for g in optimizer.param_groups:
                 g["lr"] = _lr(step, steps, cfg)
             aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
@@ -421,6 +445,12 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     if main:
         _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
     accelerator.wait_for_everyone()
+    if os.environ.get("XPRESS_SAVE_EVERY_RANK") == "1":  # tests: each process's own weights (DDP keeps them equal)
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+                  str(folder / f"rank{rank}.safetensors"))
+        accelerator.wait_for_everyone()
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
@@ -463,7 +493,9 @@ def train(cfg: Config, method: str, *, progress: bool = True, overwrite: bool = 
     target = load_target(cfg)
     out: dict[str, Any] = {}
     init = None
-    if cfg.train.warm_start_steps > 0:
+    if cfg.drafter.checkpoint:  # a released dFlash drafter: every method starts from it, no warm start
+        init = cfg.drafter.checkpoint
+    elif cfg.train.warm_start_steps > 0:
         out[WARM_START] = run_stage(cfg, WARM_START, "dflash", cfg.train.warm_start_steps, target=target,
                                     data=data, progress=progress, overwrite=overwrite, stop_after=stop_after)
         if not out[WARM_START]["complete"]:

@@ -263,6 +263,11 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
             shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     stamp.write_text(digest + "\n")
+    for stale in folder.glob(".*"):  # temporaries of a run killed mid-write (atomic_dir / atomic_write)
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
     t_start = time.perf_counter()
     target = target or load_target(cfg)

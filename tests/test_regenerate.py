@@ -1,0 +1,225 @@
+"""Regeneration (``python -m xpress regenerate``, :mod:`xpress.train.regenerate`) on the smoke preset:
+the captured target states are the target's own, the splits and manifest are right, and a killed run
+resumes to exactly what an uninterrupted run writes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xpress import paths
+from xpress.__main__ import main
+from xpress.config import load_config
+from xpress.targets import target_forward
+from xpress.train.regenerate import RegenData, config_hash, regen_signature
+
+# 10 prompts in 5 shards of 2: a kill after the first shard leaves most of the run to resume
+SMALL = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16",
+         "data.regen_shard_size=2"]
+N_SHARDS = 5
+ARRAYS = ("features", "hidden", "lse")
+
+
+def _env(root: Path) -> dict[str, str]:
+    return {**os.environ, "XPRESS_DATA": str(root / "data"), "XPRESS_CHECKPOINTS": str(root / "checkpoints"),
+            "XPRESS_RESULTS": str(root / "results"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _command(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "xpress", "regenerate", "--preset", "smoke", "--no-progress", *extra, *SMALL]
+
+
+def _regen(root: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(*extra), capture_output=True, text=True, cwd=paths.REPO_ROOT, env=_env(root),
+                          timeout=600)
+
+
+def _folder(root: Path) -> Path:
+    return root / "data" / "smoke" / "regen"
+
+
+@pytest.fixture(scope="module")
+def small_cfg():
+    return load_config("smoke", SMALL)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted ``python -m xpress regenerate`` run; returns its regen folder."""
+    root = tmp_path_factory.mktemp("reference")
+    proc = _regen(root)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped"] is False
+    return _folder(root)
+
+
+@pytest.fixture(scope="module")
+def data(reference, small_cfg):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "DATA", reference.parents[1])
+        yield RegenData.load(small_cfg)
+
+
+def _shards(folder: Path) -> list[dict]:
+    """Every shard's rows and arrays, in order."""
+    from datasets import load_from_disk
+
+    out = []
+    for shard in sorted(folder.glob("shard-*")):
+        out.append({"name": shard.name, "rows": load_from_disk(str(shard / "rows")).to_dict(),
+                    **{k: np.load(shard / f"{k}.npy") for k in ARRAYS}})
+    return out
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {str(f.relative_to(folder)): f.stat().st_mtime_ns for f in folder.rglob("*")}
+
+
+# ------------------------------------------------------------------------------------------- capture
+def test_captured_states_are_the_targets(data, target):
+    """features rows 0..T-2 are target_forward's features; hidden and lse give the target's log-probs
+    at the response positions; the last row is zero; the responses are the target's greedy choices."""
+    W = target.lm_head().weight.float()  # [V, H]
+    for i in [0, 3, len(data) - 1]:  # different shards, the last one a val sequence
+        ids = torch.tensor(data.input_ids[i])
+        T, p = len(ids), data.prompt_len[i]
+        assert 0 < p < T
+        st = data.states(i)
+        assert st["features"].dtype == np.float16 and st["hidden"].dtype == np.float16
+        assert st["features"].shape == (T, target.feature_size) and st["hidden"].shape == (T, target.hidden_size)
+        with torch.no_grad():
+            step = target_forward(target, ids[None])
+        feats = torch.from_numpy(np.asarray(st["features"], dtype=np.float32))
+        ref = step.features[0].float()
+        # fp16 storage (rel. 2^-11) of values up to ~5, computed by a ragged batch instead of one sequence
+        torch.testing.assert_close(feats[:T - 1], ref[:T - 1], atol=5e-3, rtol=2e-3)
+        assert not feats[T - 1].any() and not np.asarray(st["hidden"][T - 1]).any()
+
+        hidden = torch.from_numpy(np.asarray(st["hidden"], dtype=np.float32))
+        lse = torch.from_numpy(np.array(st["lse"], dtype=np.float32))
+        assert torch.isnan(lse[:p - 1]).all(), "lse must be NaN inside the prompt"
+        resp = slice(p - 1, T - 1)  # rows whose next token is a response token
+        assert torch.isfinite(lse[resp]).all()
+        logp_ref = torch.log_softmax(step.logits[0], dim=-1)
+        logp = hidden @ W.T - lse[:, None]
+        torch.testing.assert_close(logp[resp], logp_ref[resp], atol=5e-3, rtol=0)
+        # the stored responses are greedy: each response token has the maximal log-prob (up to fp rounding)
+        chosen = logp_ref[resp].gather(1, ids[p:, None]).squeeze(1)
+        assert (logp_ref[resp].max(-1).values - chosen).max() < 1e-4
+
+
+def test_masks_splits_and_manifest(data, small_cfg, reference, target):
+    from datasets import load_from_disk
+
+    assert len(data) == 10 and data.has_states
+
+    rows = {}
+    for shard in sorted(reference.glob("shard-*")):
+        cols = load_from_disk(str(shard / "rows")).to_dict()
+        for j, rid in enumerate(cols["id"]):
+            rows[rid] = {k: v[j] for k, v in cols.items()}
+    assert len(rows) == 10
+    for r in rows.values():
+        p, T = r["prompt_len"], len(r["input_ids"])
+        assert r["loss_mask"] == [0] * p + [1] * (T - p), "loss_mask: 0 on the prompt, 1 on the response"
+        assert 0 < T - p <= 16 and isinstance(r["finish_reason"], str)
+
+    train, val = data.indices("train"), data.indices("val")
+    assert len(train) == 8 and len(val) == 2
+    assert val == [8, 9], "the last n_val_prompts prompts form the validation split"
+    assert not {data.ids[i] for i in train} & {data.ids[i] for i in val}
+    assert len(set(data.ids)) == 10
+    assert not {tuple(x) for x in data.prompts("train")} & {tuple(x) for x in data.prompts("val")}
+
+    m = json.loads((reference / "manifest.json").read_text())
+    assert m["config_hash"] == config_hash(regen_signature(small_cfg))
+    assert m["signature"] == json.loads(json.dumps(regen_signature(small_cfg)))
+    assert m["sequences"] == {"train": 8, "val": 2}
+    assert m["response_tokens"] == {s: data.response_tokens(s) for s in ("train", "val")}
+    assert m["response_tokens"]["train"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in train)
+    assert m["feature_bytes_per_token"] == 2 * target.feature_size + 2 * target.hidden_size + 4
+    assert m["shards"] == N_SHARDS and m["this_run"]["shards_generated"] == N_SHARDS
+    assert sum(m["finish_reasons"].values()) == 10
+    assert {"preset", "git_revision", "date", "machine", "torch"} <= set(m["provenance"])
+    assert m["provenance"]["preset"] == "smoke"
+
+
+# -------------------------------------------------------------------------------------------- resume
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path, reference):
+    folder = _folder(tmp_path)
+    proc = subprocess.Popen(_command(), cwd=paths.REPO_ROOT, env=_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (folder / "shard-00000").is_dir():
+            assert proc.poll() is None, "regenerate ended before its first shard appeared"
+            assert time.monotonic() < deadline, "no shard after 300 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = sorted(p.name for p in folder.glob("shard-*"))
+    assert not (folder / "manifest.json").exists() and 1 <= len(done) < N_SHARDS, done
+    # what a kill during a shard's (or a file's) write leaves behind: must be cleaned up on resume
+    (folder / ".shard-00004.stale").mkdir(exist_ok=True)
+    (folder / ".shard-00004.stale" / "junk").write_text("x")
+    (folder / ".manifest.json.stale.tmp").write_text("{")
+    before = _mtimes(folder / done[0])
+
+    proc = _regen(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["skipped"] is False and out["sequences"] == {"train": 8, "val": 2}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["this_run"]["shards_generated"] == N_SHARDS - len(done)
+    assert _mtimes(folder / done[0]) == before, "a finished shard was rewritten"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], "temporary entries left"
+
+    mine, ref = _shards(folder), _shards(reference)
+    assert [s["name"] for s in mine] == [s["name"] for s in ref] == [f"shard-{i:05d}" for i in range(N_SHARDS)]
+    for a, b in zip(mine, ref):
+        assert a["rows"] == b["rows"], a["name"]
+        for k in ARRAYS:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (a["name"], k)
+
+    # a complete run rerun does nothing
+    stamp = _mtimes(folder)
+    proc = _regen(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped"] is True
+    assert "nothing to do" in proc.stderr
+    assert _mtimes(folder) == stamp
+
+
+def test_other_config_is_refused_unless_overwrite(tmp_path, reference, capsys, monkeypatch):
+    import shutil
+
+    shutil.copytree(reference, _folder(tmp_path))
+    monkeypatch.setattr(paths, "DATA", tmp_path / "data")
+    other = [*SMALL, "data.regen_max_new_tokens=4", "data.n_train_prompts=2", "data.n_val_prompts=1"]
+    before = _mtimes(_folder(tmp_path))
+    assert main(["regenerate", "--preset", "smoke", "--no-progress", *other]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--overwrite" in err[0], err
+    assert _mtimes(_folder(tmp_path)) == before, "refused, yet the data changed"
+
+    # also with the manifest gone (an interrupted run of another config): the config_hash stamp decides
+    (_folder(tmp_path) / "manifest.json").unlink()
+    assert main(["regenerate", "--preset", "smoke", "--no-progress", *other]) == 2
+    capsys.readouterr()
+
+    assert main(["regenerate", "--preset", "smoke", "--no-progress", "--overwrite", *other]) == 0
+    m = json.loads((_folder(tmp_path) / "manifest.json").read_text())
+    assert m["config_hash"] == config_hash(regen_signature(load_config("smoke", other)))
+    assert m["sequences"] == {"train": 2, "val": 1} and m["shards"] == 2
+    assert len(list(_folder(tmp_path).glob("shard-*"))) == 2, "old shards must be gone"

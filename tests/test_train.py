@@ -1,0 +1,455 @@
+"""Co-training (:mod:`xpress.train`) on the smoke preset: the block mask, training = inference for the
+drafter and the refiner, the loss on hand-computed cases, exact resume, a falling loss, clear CLI errors
+and two DDP processes that stay identical."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import xpress.drafter
+import xpress.targets
+from xpress import paths
+from xpress.__main__ import main
+from xpress.config import load_config
+from xpress.drafter import block_attention_mask
+from xpress.heads import randomize_
+from xpress.proposer import load_drafter, new_drafter
+from xpress.targets import target_forward
+from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
+                                 teacher_forced_acceptance)
+from xpress.train.loop import CoTrainer, build_vocab, compute_loss, make_batch, step_generator, train
+from xpress.train.regenerate import RegenData, regenerate
+
+DATA = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16", "data.regen_shard_size=4"]
+# every training knob the tests rely on, so that edits of configs/smoke.yaml do not change them
+TRAIN = ["train.steps=4", "train.warm_start_steps=0", "train.batch_size=2", "train.max_len=128",
+         "train.anchors_per_seq=4", "train.log_every=1", "train.checkpoint_every=1000", "train.eval_every=0",
+         "train.eval_prompts=0"]
+
+
+def small(*extra: str):
+    return load_config("smoke", [*DATA, *TRAIN, *extra])
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "XPRESS_DATA": str(root / "data"), "XPRESS_CHECKPOINTS": str(root / "checkpoints"),
+            "XPRESS_RESULTS": str(root / "results"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, target):
+    """Regenerated smoke data under a temporary ``data/``; paths.DATA/CHECKPOINTS/RESULTS point there, and
+    load_target returns the session's target (the same model: no reload per training run)."""
+    base = tmp_path_factory.mktemp("train")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "DATA", base / "data")
+        mp.setattr(paths, "CHECKPOINTS", base / "checkpoints")
+        mp.setattr(paths, "RESULTS", base / "results")
+        mp.setattr(xpress.targets, "load_target", lambda cfg: target)
+        regenerate(small(), target, progress=False)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def data(root):
+    return RegenData.load(small())
+
+
+def _where(monkeypatch, root: Path, name: str) -> Path:
+    """Give this run its own checkpoints/ and results/ (the data stay shared)."""
+    monkeypatch.setattr(paths, "CHECKPOINTS", root / name / "checkpoints")
+    monkeypatch.setattr(paths, "RESULTS", root / name / "results")
+    return root / name / "checkpoints" / "smoke"
+
+
+# ---------------------------------------------------------------------------------------------- mask
+def test_block_attention_mask():
+    B = 3
+    # row 0: a plain context 0..5; row 1: ragged, two left-padding holes (valid False) then positions 0..3
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])
+    valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    anchors = torch.tensor([[0, 3, 5], [0, 2, 4]])
+    m = block_attention_mask(positions, valid, anchors, B)
+    b, nb, L = 2, 3, 6
+    assert m.shape == (b, 1, nb * B, L + nb * B) and m.dtype == torch.bool
+    for r in range(b):
+        for j in range(nb):
+            a = int(anchors[r, j])
+            for t in range(B):
+                row = m[r, 0, j * B + t]
+                for c in range(L):  # the context: valid and strictly before the anchor
+                    want = bool(valid[r, c]) and int(positions[r, c]) < a
+                    assert bool(row[c]) == want, (r, j, t, c)
+                for j2 in range(nb):  # the blocks: its own entirely, no other block
+                    assert row[L + j2 * B:L + (j2 + 1) * B].tolist() == [j2 == j] * B, (r, j, t, j2)
+    # named cases: anchor 0 sees no context; the hole entries are never seen (row 1, anchor 4 sees 0..3)
+    assert not m[0, 0, :B, :L].any()
+    assert m[1, 0, 2 * B, :L].tolist() == [False, False, True, True, True, True]
+    assert m[0, 0, B, :L].tolist() == [True, True, True, False, False, False]
+
+
+# --------------------------------------------------------------------------- training = inference
+def _float32_data(data: RegenData, target, rows: list[int]):
+    """``data`` with the stored (fp16) features of ``rows`` replaced by float32 target_forward ones, so
+    that training and inference can be compared at float32 precision."""
+    full = {}
+    for i in rows:
+        with torch.no_grad():
+            full[i] = target_forward(target, torch.tensor(data.input_ids[i])[None]).features[0].float().numpy()
+
+    def states(i):
+        return {**data.states(i), "features": full[i]}
+
+    return types.SimpleNamespace(input_ids=data.input_ids, prompt_len=data.prompt_len, states=states,
+                                 has_states=True, folder=data.folder)
+
+
+def _inference(md, target, ids: list[int], prompt_len: int, a: int, P: int, anchor_pos: int | None = None):
+    """The decoding path for a block anchored at ``a``: the context features of positions < a, extended
+    as decoding does (a ragged-padding hole, the prompt, then the committed response tokens), one block
+    forward, the base readout and the folded refiner fed the target ids x_a .. x_{a+P-1}."""
+    T = len(ids)
+    md.reset([ids[:prompt_len]])
+    with torch.no_grad():
+        feats = target_forward(target, torch.tensor(ids[:a])[None]).features.float()  # [1, a, F]
+    hole = torch.randn(1, 1, feats.shape[-1], generator=torch.Generator().manual_seed(0)) * 3
+    md.extend(torch.zeros(1, 1, dtype=torch.long), hole, torch.zeros(1, 1, dtype=torch.long),
+              torch.zeros(1, 1, dtype=torch.bool))
+    for lo, hi in [(0, min(prompt_len, a)), (min(prompt_len, a), a)]:
+        if hi > lo:
+            md.extend(torch.tensor(ids[lo:hi])[None], feats[:, lo:hi], torch.arange(lo, hi)[None],
+                      torch.ones(1, hi - lo, dtype=torch.bool))
+    pos = a if anchor_pos is None else anchor_pos
+    with torch.no_grad():
+        h = md.drafter(torch.tensor([[ids[a]]]), torch.tensor([[pos]]), md.context)[:, 0, 1:]  # [1, P, H]
+        base = md.drafter.base_logits(h, md.vocab)
+        prev = torch.tensor([[ids[min(a + k, T - 1)] for k in range(P)]])  # past the end: any token
+        refined = base + md.head.fold(h)(prev)
+    return h[0], base[0], refined[0]
+
+
+def test_training_forward_equals_inference(data, target, monkeypatch):
+    cfg = small()
+    P = cfg.drafter.block_size - 1
+    vocab, _ = build_vocab(cfg, target, data)
+    md = new_drafter("xpress", cfg, target, vocab, seed=3)
+    randomize_(md.head, generator=torch.Generator().manual_seed(4))  # a fresh head is delta = 0
+    rows = [1, 2]  # two sequences of different lengths: the shorter is padded in the batch
+    lens = [len(data.input_ids[i]) for i in rows]
+    assert lens[0] != lens[1]
+    anchors = []
+    for i in rows:
+        p, T = data.prompt_len[i], len(data.input_ids[i])
+        anchors.append([p - 1, p + 2, (p + T) // 2, T - 3])  # the first drafts from the prompt; the last overhangs
+    f32 = _float32_data(data, target, rows)
+    batch = make_batch(f32, rows, cfg, step_generator(0, 0, 0), anchors=anchors)
+    trainer = CoTrainer(md.drafter, md.head, vocab)
+    with torch.no_grad():
+        out = trainer(batch)
+    assert (out["refined"] - out["base"]).abs().max() > 0.1, "the head must act (delta != 0)"
+
+    # the batch's labels and target states line up with the sequence
+    for r, i in enumerate(rows):
+        ids, T = data.input_ids[i], len(data.input_ids[i])
+        for j, a in enumerate(anchors[r]):
+            assert int(batch.anchor_ids[r, j]) == ids[a] and int(batch.anchor_pos[r, j]) == a
+            for k in range(P):
+                ok = a + k + 1 < T
+                assert bool(batch.label_valid[r, j, k]) == ok
+                if ok:
+                    assert int(batch.labels[r, j, k]) == ids[a + k + 1]
+    readout = target.lm_head().weight[vocab.d2t]
+    p_t = target_distribution(batch.t_hidden, batch.t_lse, readout)  # [b, nb, P, Vd]
+    in_vocab = vocab.to_draft(batch.labels) >= 0
+    check = batch.label_valid & in_vocab
+    assert check.sum() > 10
+    # the greedy regenerated token is the argmax of the target distribution stored before it
+    assert (p_t.argmax(-1) == vocab.to_draft(batch.labels))[check].all()
+
+    n = 0
+    keys = ("hidden", "base", "refined")
+    for r, i in enumerate(rows):
+        ids, p = data.input_ids[i], data.prompt_len[i]
+        for j, a in enumerate(anchors[r]):
+            got = dict(zip(keys, _inference(md, target, ids, p, a, P)))
+            # refined position k reads x_a .. x_{a+k}: compare where those exist (past the end the batch
+            # feeds padding, the decoding path nothing; neither is scored)
+            scored = batch.label_valid[r, j]
+            assert scored[0]
+            for k in keys:
+                got_k, want_k = (got[k], out[k][n]) if k != "refined" else (got[k][scored], out[k][n][scored])
+                torch.testing.assert_close(want_k, got_k, atol=1e-4, rtol=1e-4, msg=f"{k}, row {i}, anchor {a}")
+            n += 1
+
+    # negative controls: an anchor position off by one, or a mask that lets the anchor's own context
+    # entry in, changes the states by far more than the tolerance above
+    i, a = rows[0], anchors[0][1]
+    h_shift, _, _ = _inference(md, target, data.input_ids[i], data.prompt_len[i], a, P, anchor_pos=a + 1)
+    assert (h_shift - out["hidden"][1]).abs().max() > 1e-2
+    leaky_mask = xpress.drafter.block_attention_mask
+
+    def leaky(ctx_positions, ctx_valid, anchor_pos, block_size):
+        return leaky_mask(ctx_positions, ctx_valid, anchor_pos + 1, block_size)
+
+    monkeypatch.setattr(xpress.drafter, "block_attention_mask", leaky)
+    with torch.no_grad():
+        out_leaky = trainer(batch)
+    monkeypatch.undo()
+    assert min(float((out_leaky["hidden"][m] - out["hidden"][m]).abs().max()) for m in range(n)) > 1e-2
+
+    # the real batch (fp16-stored features, captured during regeneration) agrees to fp16 precision
+    with torch.no_grad():
+        out16 = trainer(make_batch(data, rows, cfg, step_generator(0, 0, 0), anchors=anchors))
+    for k in keys:
+        torch.testing.assert_close(out16[k], out[k], atol=3e-3, rtol=1e-3)
+    # and so do states computed online by the target (data without a cache; a right-padded batch)
+    if "target" in inspect.signature(make_batch).parameters:
+        bare = types.SimpleNamespace(input_ids=data.input_ids, prompt_len=data.prompt_len, has_states=False,
+                                     folder=data.folder)
+        online = make_batch(bare, rows, cfg, step_generator(0, 0, 0), anchors=anchors, target=target)
+        for r, T in enumerate(lens):
+            torch.testing.assert_close(online.features[r, :T], batch.features[r, :T], atol=1e-4, rtol=1e-4)
+        scored = batch.label_valid  # (past the end of a sequence the cache holds zeros, online states padding)
+        torch.testing.assert_close(online.t_hidden[scored], batch.t_hidden[scored], atol=5e-3, rtol=2e-3)  # fp16
+        torch.testing.assert_close(online.t_lse[scored], batch.t_lse[scored], atol=1e-4, rtol=1e-5)
+        for name in ("labels", "label_valid", "anchor_ids", "anchor_pos", "valid", "positions"):
+            assert torch.equal(getattr(online, name), getattr(batch, name)), name
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def test_distribution_loss_by_hand():
+    logits = [[[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]], [[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]]  # [n=2, P=2, Vd=3]
+    labels = [[2, -1], [0, 1]]  # -1: the regenerated token lies outside the draft vocabulary
+    p_target = [[[0.1, 0.2, 0.6], [0.3, 0.3, 0.3]], [[0.5, 0.25, 0.25], [0.0, 0.5, 0.2]]]  # mass outside: .1 .1 0 .3
+    valid = [[True, True], [True, False]]
+    gamma, ce_w, tv_w = 2.0, 0.1, 0.9
+    w = [math.exp(-k / gamma) for k in range(2)]
+
+    def softmax(xs):
+        z = sum(math.exp(x) for x in xs)
+        return [math.exp(x) / z for x in xs]
+
+    num = den = ce_num = ce_den = l1_num = 0.0
+    for b in range(2):
+        for k in range(2):
+            if not valid[b][k]:
+                continue
+            p = softmax(logits[b][k])
+            ce = -math.log(p[labels[b][k]]) if labels[b][k] >= 0 else 0.0
+            l1 = sum(abs(x - y) for x, y in zip(p, p_target[b][k])) + (1 - sum(p_target[b][k]))
+            num += w[k] * (ce_w * ce + tv_w * l1)
+            den += w[k]
+            l1_num += w[k] * l1
+            if labels[b][k] >= 0:
+                ce_num += w[k] * ce
+                ce_den += w[k]
+    weights = position_weights(2, gamma)
+    got = distribution_loss(torch.tensor(logits), torch.tensor(labels), torch.tensor(p_target),
+                            torch.tensor(valid), weights, ce_w, tv_w)
+    assert got["loss"].item() == pytest.approx(num / den, rel=1e-6)
+    assert got["ce"].item() == pytest.approx(ce_num / ce_den, rel=1e-6)
+    assert got["l1"].item() == pytest.approx(l1_num / den, rel=1e-6)
+    # the L1 term is 2 (1 - acceptance): a perfect drafter of a target with mass outside pays twice that mass
+    pt = torch.tensor([[[0.2, 0.3, 0.4]]])
+    perfect = distribution_loss(torch.log(pt / pt.sum()), torch.tensor([[1]]), pt, torch.tensor([[True]]),
+                                torch.ones(1), 0.0, 1.0)
+    assert perfect["l1"].item() == pytest.approx(2 * 0.1, rel=1e-5)
+
+
+def test_position_and_anchor_weights():
+    assert position_weights(3, 2.0).tolist() == pytest.approx([1.0, math.exp(-0.5), math.exp(-1.0)])
+    assert position_weights(1, 7.0).tolist() == [1.0]
+    start, end, steps = 0.6, 0.2, 11
+    assert anchor_weight(0, steps, start, end) == pytest.approx(start)
+    assert anchor_weight(steps - 1, steps, start, end) == pytest.approx(end)
+    assert anchor_weight(5, steps, start, end) == pytest.approx(0.4)
+    assert anchor_weight(3, steps, start, end) == pytest.approx(start + (end - start) * 3 / 10)
+    assert anchor_weight(50, steps, start, end) == pytest.approx(end)  # the floor holds past the end
+    ws = [anchor_weight(s, steps, start, end) for s in range(steps)]
+    assert all(x > y for x, y in zip(ws, ws[1:]))
+    assert anchor_weight(0, 1, start, end) == end
+
+
+def test_teacher_forced_acceptance_by_hand():
+    def one_hot(ids, V=3):
+        return torch.nn.functional.one_hot(torch.tensor(ids), V).float()
+
+    logits = one_hot([[1, 2, 0], [0, 0, 0], [2, 2, 2]])  # argmax per block and position
+    labels = torch.tensor([[1, 2, 1], [1, 0, 0], [2, 2, 2]])
+    valid = torch.tensor([[True, True, True], [True, True, True], [True, True, False]])
+    per_pos, tau = teacher_forced_acceptance(logits, labels, valid)
+    # block 0 runs 2 deep, block 1 fails at once (later matches do not count), block 2 runs 2 of its 2 valid
+    assert per_pos.tolist() == pytest.approx([2 / 3, 2 / 3, 0.0])
+    assert tau == pytest.approx(1 + (2 + 0) / 2)  # over the blocks valid at every position: 0 and 1
+    _, none = teacher_forced_acceptance(logits[2:], labels[2:], valid[2:])
+    assert math.isnan(none)
+
+
+# -------------------------------------------------------------------------------------------- resume
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{name}/{k}": v for name in ("model.safetensors", "head.safetensors")
+            if (folder / name).is_file() for k, v in load_file(str(folder / name)).items()}
+
+
+def _log(root: Path, stage: str) -> list[dict]:
+    return json.loads((root / "results" / "smoke" / f"train_{stage}.json").read_text())["log"]
+
+
+def test_resume_is_exact(root, data, monkeypatch):
+    """4 steps at once == a warm start, then 1 co-training step, stop, resume to 4 (bit for bit)."""
+    cfg = small("train.warm_start_steps=2")
+    a = _where(monkeypatch, root, "resume-a")
+    full = train(cfg, "xpress", progress=False, overwrite=True)
+    assert full["warmstart"]["complete"] and full["xpress"]["complete"] and full["xpress"]["step"] == 4
+
+    b = _where(monkeypatch, root, "resume-b")
+    part = train(cfg, "xpress", progress=False, overwrite=True, stop_after=3)
+    assert part["warmstart"]["complete"] and part["xpress"]["step"] == 1 and not part["xpress"]["complete"]
+    assert json.loads((b / "xpress" / "train_state.json").read_text())["step"] == 1
+    rest = train(cfg, "xpress", progress=False)
+    assert rest["warmstart"]["skipped"] and rest["xpress"]["step"] == 4 and rest["xpress"]["complete"]
+
+    for stage in ("warmstart", "xpress"):
+        ta, tb = _tensors(a / stage), _tensors(b / stage)
+        assert set(ta) == set(tb) and len(ta) > 10
+        assert (stage == "xpress") == any(k.startswith("head") for k in ta)
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), f"{stage}: {k} differs after resume"
+        la, lb = _log(a.parents[1], stage), _log(b.parents[1], stage)
+        keys = ("step", "loss", "lr", "grad_norm", "tf_tau")
+        assert [[r[k] for k in keys] for r in la] == [[r[k] for k in keys] for r in lb]
+        assert len(la) == (2 if stage == "warmstart" else 4)
+    assert not torch.equal(_tensors(a / "warmstart")["model.safetensors/fc.weight"],
+                           _tensors(a / "xpress")["model.safetensors/fc.weight"]), "co-training did not train"
+    again = train(cfg, "xpress", progress=False)  # complete: nothing to do
+    assert again["warmstart"]["skipped"] and again["xpress"]["skipped"]
+
+
+def _fixed_batch_loss(cfg, data, target, md) -> dict[str, float]:
+    """L_total (anchor weight fixed at 0.4) and its parts on one fixed batch of every training sequence."""
+    batch = make_batch(data, data.indices("train"), cfg, torch.Generator().manual_seed(123))
+    readout = target.lm_head().weight[md.vocab.d2t]
+    with torch.no_grad():
+        out = CoTrainer(md.drafter, md.head, md.vocab)(batch)
+        _, logs = compute_loss(out, batch, md.vocab, readout, cfg, 0.4)
+    return logs
+
+
+def test_training_lowers_the_loss(root, data, target, monkeypatch):
+    """12 steps on the 8 smoke sequences. The smoke target is a random model, nearly uniform (entropy
+    ~10.5 nats of 10.8), so the L1 term cannot fall (>= 2 (1 - its mass inside the draft vocabulary)
+    ~ 1.97): what training can learn is the cross-entropy to the regenerated (greedy) tokens."""
+    _where(monkeypatch, root, "learn")
+    cfg = small("train.steps=12", "train.lr=1e-2", "train.log_every=4", "train.eval_prompts=1",
+                "train.eval_max_new_tokens=8")
+    vocab, _ = build_vocab(cfg, target, data)
+    before = _fixed_batch_loss(cfg, data, target, new_drafter("xpress", cfg, target, vocab, seed=cfg.seed))
+    out = train(cfg, "xpress", progress=False, overwrite=True)["xpress"]
+    assert out["complete"] and out["final_val"]["tau"] >= 1.0
+    log = _log(root / "learn", "xpress")
+    assert [r["step"] for r in log] == [4, 8, 12]
+    assert np.mean([r["loss"] for r in log[-2:]]) < log[0]["loss"]
+    # on a fixed batch and with a fixed anchor weight (the annealed one lowers the logged total by itself)
+    after = _fixed_batch_loss(cfg, data, target, load_drafter(paths.CHECKPOINTS / "smoke" / "xpress", "xpress", cfg,
+                                                              target))
+    assert after["loss"] < 0.95 * before["loss"], (before, after)
+    assert after["refined_ce"] < before["refined_ce"] - 1.0 and after["base_ce"] < before["base_ce"] - 1.0
+    assert after["tf_tau"] >= before["tf_tau"]
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def _train_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xpress", "train", "--preset", "smoke", "--method", "xpress",
+                           "--no-progress", *args, *DATA, *TRAIN], capture_output=True, text=True,
+                          cwd=paths.REPO_ROOT, env=env or _env(root), timeout=600)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [x for x in stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_cli_bad_inputs(root, data, tmp_path, monkeypatch, capsys):
+    # no regenerated data
+    proc = _train_cli(tmp_path)
+    assert proc.returncode == 2
+    assert "regenerate" in _one_error_line(proc.stderr)
+
+    # an interrupted checkpoint (a complete one would be skipped without being read), then broken copies
+    ckpt = _where(monkeypatch, root, "cli")
+    assert main(["train", "--preset", "smoke", "--method", "xpress", "--no-progress", "--stop-after", "1",
+                 *DATA, *TRAIN]) == 0
+    capsys.readouterr()
+    good = ckpt / "xpress"
+    assert json.loads((good / "train_state.json").read_text())["step"] == 1
+
+    def broken(name: str) -> Path:
+        where = tmp_path / name
+        shutil.copytree(good, where / "checkpoints" / "smoke" / "xpress")
+        return where
+
+    truncated = broken("truncated")
+    head = truncated / "checkpoints" / "smoke" / "xpress" / "head.safetensors"
+    head.write_bytes(head.read_bytes()[:100])
+    proc = _train_cli(truncated, env={**_env(truncated), "XPRESS_DATA": str(root / "data")})
+    assert proc.returncode == 2
+    assert "corrupt" in _one_error_line(proc.stderr)
+
+    # in-process from here (the same code path as the CLI, without a second interpreter)
+    garbage = broken("garbage")
+    (garbage / "checkpoints" / "smoke" / "xpress" / "train_state.json").write_text("{not json")
+    monkeypatch.setattr(paths, "CHECKPOINTS", garbage / "checkpoints")
+    assert main(["train", "--preset", "smoke", "--method", "xpress", "--no-progress", *DATA, *TRAIN]) == 2
+    assert "train_state.json" in _one_error_line(capsys.readouterr().err)
+
+    monkeypatch.setattr(paths, "CHECKPOINTS", ckpt.parent)
+    assert main(["train", "--preset", "smoke", "--method", "xpress", "--no-progress", *DATA, *TRAIN,
+                 "train.lr=1e-3"]) == 2
+    assert "--overwrite" in _one_error_line(capsys.readouterr().err)
+    assert json.loads((good / "train_state.json").read_text())["step"] == 1, "refused, yet the checkpoint changed"
+
+
+# ----------------------------------------------------------------------------------------------- DDP
+def test_two_processes_stay_identical(root, data, tmp_path):
+    """torchrun, 2 gloo CPU processes: each draws other sequences and anchors, so only the all-reduced
+    gradients keep them equal; each saves its own weights (XPRESS_SAVE_EVERY_RANK=1)."""
+    from safetensors.torch import load_file
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.is_file():
+        pytest.skip("torchrun is not installed beside this python")
+    env = {**_env(tmp_path), "XPRESS_DATA": str(root / "data"), "XPRESS_SAVE_EVERY_RANK": "1"}
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "xpress", "train",
+                           "--preset", "smoke", "--method", "xpress", "--no-progress", *DATA, *TRAIN],
+                          capture_output=True, text=True, cwd=paths.REPO_ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "checkpoints" / "smoke" / "xpress"
+    r0, r1 = load_file(str(folder / "rank0.safetensors")), load_file(str(folder / "rank1.safetensors"))
+    assert set(r0) == set(r1) and any(k.startswith("head.") for k in r0)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+    saved = _tensors(folder)
+    for name, prefix in (("model.safetensors", "drafter."), ("head.safetensors", "head.")):
+        for k, v in ((k, v) for k, v in saved.items() if k.startswith(name)):
+            assert torch.equal(r0[prefix + k.split("/", 1)[1]], v), k
+    state = json.loads((folder / "train_state.json").read_text())
+    assert state["step"] == 4 and state["complete"]
+    prov = json.loads((tmp_path / "results" / "smoke" / "train_xpress.json").read_text())["provenance"]
+    assert prov["world_size"] == 2
+    # training happened: the refiner's readout starts at zero
+    assert r0["head.w_r.weight"].abs().max() > 0
