@@ -34,7 +34,7 @@ test-slow: setup
 	$(BIN)/python -m pytest -m slow tests $(PYTEST_ARGS)
 
 lab: setup
-	XPRESS_PRESET=$(PRESET) $(BIN)/jupyter lab --notebook-dir notebooks
+	XPRESS_PRESET=$(PRESET) $(BIN)/jupyter lab --notebook-dir notebooks $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 clean-venv:
 	rm -rf $(VENV)

@@ -8,6 +8,7 @@ Commands:
            ``python -m xpress decode --preset cpu --method oracle --bench gsm8k --limit 4 --out out.jsonl``
   bench    benchmark records, e.g. ``python -m xpress bench oracle-ceiling --preset cpu``
   regenerate  the target answers the training prompts (resumable): ``python -m xpress regenerate --preset cpu``
+  report   README.md's results section from the result files: ``python -m xpress report --preset cpu``
   train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
            (several processes: ``accelerate launch -m xpress train ...`` or ``torchrun --nproc_per_node N -m xpress train ...``)
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -105,12 +107,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("interrupted: a checkpoint of the last finished step was written; rerun the same command to resume",
               file=sys.stderr)
         return 130
+    if os.environ.get("RANK", "0") != "0":  # several processes: one report
+        return 0
     for stage, s in out.items():
         state = "already complete, skipped" if s.get("skipped") else f"step {s['step']}/{s['steps']}"
         print(f"train {stage} ({s['method']}): {state}; checkpoint {s.get('checkpoint', '')}", file=sys.stderr)
     print(json.dumps({stage: {k: s.get(k) for k in ("method", "step", "steps", "complete", "skipped", "final_val")}
                       for stage, s in out.items()}))
     return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import main as report_main
+
+    return report_main(args.preset, check=args.check)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -179,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("report", help="rewrite README.md's results section from results/<preset>/")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--check", action="store_true", help="exit 1 if README.md and the result files disagree")
+    p.set_defaults(func=_cmd_report)
+
     p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
@@ -194,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `python -m xpress config | head`: the reader left, nothing is wrong
+        sys.stderr.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

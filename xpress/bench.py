@@ -50,6 +50,9 @@ def load_prompts(bench: str | None = None, prompts_file: str | Path | None = Non
         except DataError as e:
             raise DecodeInputError(str(e)) from None
     path = Path(prompts_file)
+    if path.is_dir():
+        raise DecodeInputError(f"--prompts {str(path)!r} is a directory; give a JSONL file of "
+                               f'{{"id": ..., "turns": [...]}} records')
     if not path.is_file():
         raise DecodeInputError(f"prompts file {str(path)!r} does not exist")
     records = []
@@ -131,7 +134,17 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
     seed = cfg.seed if seed is None else seed
     if temperature < 0 or max_new_tokens < 1:
         raise DecodeInputError("--temperature must be >= 0 and --max-new-tokens >= 1")
-    records = load_prompts(bench, prompts_file, limit if limit is not None else (cfg.data.limit or None))
+    if limit is not None and limit < 1:
+        raise DecodeInputError(f"--limit {limit}: give a positive number of prompts, or leave --limit out "
+                               f"(a prompts file: all of it; a benchmark: the preset's data.limit, 0 = all)")
+    out_path = paths.resolve(out)
+    if out_path.is_dir():
+        raise DecodeInputError(f"--out {str(out_path)!r} is a directory; give a file path such as out.jsonl")
+    if not out_path.parent.is_dir():
+        raise DecodeInputError(f"--out {str(out_path)!r}: the folder {str(out_path.parent)!r} does not exist")
+    if limit is None and bench is not None:  # the benchmark default; a prompts file is decoded whole
+        limit = cfg.data.limit or None
+    records = load_prompts(bench, prompts_file, limit)
     if not records:
         raise DecodeInputError("no prompts to decode")
     generator = seed_everything(seed)

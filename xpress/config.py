@@ -273,12 +273,22 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def parse_overrides(overrides: Sequence[str] | Mapping[str, Any] | None) -> dict[str, Any]:
-    """``["a.b=1", ...]`` or ``{"a.b": 1}`` or ``{"a": {"b": 1}}`` -> flat ``{"a.b": value}``."""
+def parse_overrides(overrides: Sequence[str] | Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """``["a.b=1", ...]``, ``'["a.b=1", ...]'`` (a JSON list), ``"a.b=1,c.d=2"``, ``{"a.b": 1}`` or
+    ``{"a": {"b": 1}}`` -> flat ``{"a.b": value}``."""
     if not overrides:
         return {}
     if isinstance(overrides, Mapping):
         return _flatten(overrides)
+    if isinstance(overrides, str):  # papermill -p OVERRIDES '["a=1", "b=2"]' or 'a=1,b=2'
+        import json
+
+        text = overrides.strip()
+        try:
+            overrides = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t.strip()]
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"OVERRIDES {overrides!r} is not a JSON list ({e.msg}); give '[\"key=value\", ...]' "
+                              f"or 'key=value,key=value'") from None
     out = {}
     for item in overrides:
         if "=" not in item:
@@ -294,7 +304,7 @@ def default_preset(fallback: str = "cpu") -> str:
 
 
 def load_config(preset: str | os.PathLike | None = None,
-                overrides: Sequence[str] | Mapping[str, Any] | None = None) -> Config:
+                overrides: Sequence[str] | Mapping[str, Any] | str | None = None) -> Config:
     """Load ``configs/<preset>.yaml`` (or a YAML path), apply overrides, validate.
 
     An unknown preset or key raises :class:`ConfigError` naming the valid ones.

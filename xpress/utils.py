@@ -169,3 +169,30 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
         "transformers": transformers.__version__,
         **extra,
     }
+
+
+class DeferredInterrupt:
+    """Ctrl-C (SIGINT) deferred to a safe point: inside ``with DeferredInterrupt() as stop:`` a SIGINT sets
+    ``stop.requested`` instead of raising, and the loop checks it between units of work (a training step),
+    so nothing is interrupted half-way. Outside the main thread it does nothing (signals cannot be set)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def __enter__(self) -> "DeferredInterrupt":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)

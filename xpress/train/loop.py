@@ -40,6 +40,7 @@ from ..config import Config
 from ..drafter import DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner
 from ..proposer import METHODS, ModelDrafter, load_drafter, new_drafter, save_drafter
+from ..utils import DeferredInterrupt
 from ..vocab import DraftVocab
 from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
                      teacher_forced_acceptance)
@@ -404,42 +405,44 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     t_stage = time.perf_counter()
     step = start
     interrupted = False
-    try:
-        while step < end:
-            gen = step_generator(cfg.seed, step, rank)
-            pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
-            rows = [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
-            batch = make_batch(data, rows, cfg, gen, target=target).to(accelerator.device)
-            for g in optimizer.param_groups:
-                g["lr"] = _lr(step, steps, cfg)
-            aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
-            with accelerator.autocast():
-                out = model(batch, consistency=cfg.train.consistency_weight > 0 and not head_free)
-                loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            grad_norm = accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
-            optimizer.step()
-            step += 1
-            tokens_since += int(batch.label_valid.sum()) * world
-            bar.update(1)
-            if step % cfg.train.log_every == 0 or step == steps:
-                now = time.perf_counter()
-                row = {"step": step, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
-                       "tokens_per_s": tokens_since / max(now - t_last, 1e-9), **logs}
-                t_last, tokens_since = now, 0
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
-                    row["val"] = evaluate()
-                log.append(row)
-                bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
-                                tok_s=f"{row['tokens_per_s']:.0f}")
-            if main and step % cfg.train.checkpoint_every == 0 and step < end:
-                _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        bar.close()
-    final_eval = evaluate() if step >= steps else None
+    with DeferredInterrupt() as stop:  # Ctrl-C stops at the next step boundary, with a checkpoint
+        try:
+            while step < end and not stop.requested:
+                gen = step_generator(cfg.seed, step, rank)
+                pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
+                rows = [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
+                batch = make_batch(data, rows, cfg, gen, target=target).to(accelerator.device)
+                for g in optimizer.param_groups:
+                    g["lr"] = _lr(step, steps, cfg)
+                aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
+                with accelerator.autocast():
+                    out = model(batch, consistency=cfg.train.consistency_weight > 0 and not head_free)
+                    loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
+                optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(loss)
+                grad_norm = accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
+                optimizer.step()
+                step += 1
+                tokens_since += int(batch.label_valid.sum()) * world
+                bar.update(1)
+                if step % cfg.train.log_every == 0 or step == steps:
+                    now = time.perf_counter()
+                    row = {"step": step, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
+                           "tokens_per_s": tokens_since / max(now - t_last, 1e-9), **logs}
+                    t_last, tokens_since = now, 0
+                    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
+                        row["val"] = evaluate()
+                    log.append(row)
+                    bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
+                                    tok_s=f"{row['tokens_per_s']:.0f}")
+                if main and step % cfg.train.checkpoint_every == 0 and step < end:
+                    _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+    interrupted = interrupted or stop.requested
+    final_eval = evaluate() if step >= steps and not interrupted else None
     if final_eval is not None and log:
         log[-1]["val"] = final_eval
     if main:
