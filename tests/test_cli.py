@@ -88,3 +88,36 @@ def test_decode_bad_inputs(prompts_file, tmp_path, capsys):
                  "--no-progress"]) == 2
     assert "exceeds the context" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_decode_input_checks_before_any_work(prompts_file, tmp_path, capsys):
+    """--limit 0, an --out directory and a --prompts directory are one-line errors, before decoding."""
+    out = str(tmp_path / "o.jsonl")
+    args = ["decode", "--preset", "smoke", "--method", "ar", "--no-progress"]
+    assert main([*args, "--prompts", str(prompts_file), "--limit", "0", "--out", out]) == 2
+    assert "--limit 0" in capsys.readouterr().err
+    assert main([*args, "--prompts", str(prompts_file), "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main([*args, "--prompts", str(tmp_path), "--out", out]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_prompts_file_is_decoded_whole(tmp_path):
+    """A prompts file is not cut to the preset's data.limit (4 on smoke)."""
+    from xpress.bench import load_prompts
+
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"id": f"p{i}", "turns": ["Hi"]}) + "\n" for i in range(7)))
+    assert main(["decode", "--preset", "smoke", "--method", "ar", "--prompts", str(many), "--max-new-tokens", "1",
+                 "--out", str(tmp_path / "o.jsonl"), "--no-progress"]) == 0
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 7 == len(load_prompts(prompts_file=many))
+
+
+def test_output_reader_gone_exits_quietly():
+    """`python -m xpress config | head`: the reader closes the pipe before the output is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "xpress", "config", "--preset", "smoke"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=paths.REPO_ROOT, env=ENV)
+    proc.stdout.close()  # before the child has imported anything, let alone printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err

@@ -59,3 +59,14 @@ def test_env_default_preset(monkeypatch):
     monkeypatch.setenv("XPRESS_PRESET", "smoke")
     assert load_config().preset == "smoke"
     assert "drafter.block_size" in valid_keys()
+
+
+def test_overrides_as_papermill_strings():
+    """papermill passes -p OVERRIDES as a string: a JSON list or comma-separated key=value pairs."""
+    from xpress.config import ConfigError, load_config
+
+    assert load_config("smoke", '["head.max_iters=3", "drafter.block_size=4"]').head.max_iters == 3
+    cfg = load_config("smoke", "head.max_iters=2,drafter.block_size=4")
+    assert (cfg.head.max_iters, cfg.drafter.block_size) == (2, 4)
+    with pytest.raises(ConfigError, match="not a JSON list"):
+        load_config("smoke", '["head.max_iters=3"')

@@ -339,6 +339,17 @@ def test_resume_is_exact(root, data, monkeypatch):
     assert again["warmstart"]["skipped"] and again["xpress"]["skipped"]
 
 
+def test_refiner_only_keeps_the_drafter(root, data, monkeypatch):
+    """train.refiner_only: the drafter (here the warm start) stays bit-identical, only the head trains."""
+    cfg = small("train.warm_start_steps=2", "train.refiner_only=true")
+    folder = _where(monkeypatch, root, "refiner-only")
+    train(cfg, "xpress", progress=False, overwrite=True)
+    warm, head = _tensors(folder / "warmstart"), _tensors(folder / "xpress")
+    drafter_keys = [k for k in warm if k.startswith("model.safetensors")]
+    assert drafter_keys and all(torch.equal(warm[k], head[k]) for k in drafter_keys)
+    assert head["head.safetensors/w_r.weight"].abs().sum() > 0  # the zero-initialised readout moved
+
+
 def _fixed_batch_loss(cfg, data, target, md) -> dict[str, float]:
     """L_total (anchor weight fixed at 0.4) and its parts on one fixed batch of every training sequence."""
     batch = make_batch(data, data.indices("train"), cfg, torch.Generator().manual_seed(123))
