@@ -172,22 +172,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import add_arguments
 
-    p = sub.add_parser("regenerate", help="the target answers the training prompts (data/<preset>/regen)")
-    p.add_argument("--preset", default="cpu")
-    p.add_argument("--overwrite", action="store_true", help="discard data regenerated with another config")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.set_defaults(func=_cmd_regenerate)
+    def stage_parser(name: str, help: str, overwrite: str, func) -> argparse.ArgumentParser:
+        """A long-running stage: --preset, --overwrite, --no-progress and config overrides."""
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--preset", default="cpu")
+        p.add_argument("--overwrite", action="store_true", help=overwrite)
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("overrides", nargs="*", help="config overrides key=value")
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("train", help="co-train a drafter and its head (checkpoints/<preset>/<method>)")
-    p.add_argument("--preset", default="cpu")
+    stage_parser("regenerate", "the target answers the training prompts (data/<preset>/regen)",
+                 "discard data regenerated with another config", _cmd_regenerate)
+    p = stage_parser("train", "co-train a drafter and its head (checkpoints/<preset>/<method>)",
+                     "discard a checkpoint of another config", _cmd_train)
     p.add_argument("--method", required=True, choices=MODEL_METHODS)
-    p.add_argument("--overwrite", action="store_true", help="discard a checkpoint of another config")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps in all, as an interruption would")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("report", help="rewrite README.md's results section from results/<preset>/")
     p.add_argument("--preset", default="cpu")
