@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
-#   make reproduce   set up .venv, then run every notebook on the embedded default (PRESET=cpu)
+#   make reproduce   set up .venv, run every notebook and the oracle ceiling on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
 # Also: make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -25,9 +25,13 @@ setup: $(STAMP)
 
 reproduce: setup
 	$(BIN)/python -m xpress run --preset $(PRESET)
+	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
+	@echo "files under results/ that now differ from git (M: rewritten, ??: new):"
+	@git status --short -- results/ 2>/dev/null || echo "(no git here: cannot list them)"
 
 test: setup
-	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
+	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \
+		XPRESS_DATA=$(CURDIR)/.cache/test-data $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
 		--nbval-cell-timeout 900 tests notebooks $(PYTEST_ARGS)
 
 test-slow: setup

@@ -121,3 +121,155 @@ def test_output_reader_gone_exits_quietly():
     proc.stdout.close()  # before the child has imported anything, let alone printed
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+# ------------------------------------------------------------------------------------ interrupt, resume
+def without_timings(path) -> list[dict]:
+    """The records of a decode output with the wall-clock fields removed (they differ between runs)."""
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        rec.pop("timings")
+        for turn in rec["turns"]:
+            turn.pop("timings")
+        out.append(rec)
+    return out
+
+
+def test_decode_interrupt_keeps_finished_prompts_and_resumes(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after 2 of 4 prompts: exit 130 with one line, the 2 kept; the same command then decodes only
+    the other 2 and writes what an uninterrupted run writes (T = 1 with the random drafter: the sampling
+    of every prompt must not depend on where the run was interrupted)."""
+    import xpress.bench as bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"Count to {i + 2}."] + ["Again?"] * (i % 2)})
+                               + "\n" for i in range(4)))
+    args = ["decode", "--preset", "smoke", "--method", "random", "--prompts", str(prompts), "--temperature", "1",
+            "--max-new-tokens", "5", "--no-progress"]
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert main([*args, "--out", str(whole)]) == 0
+    capsys.readouterr()
+
+    real, made = bench.conversation_record, []
+
+    def interrupted_after_two(*a, **k):
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(bench, "conversation_record", interrupted_after_two)
+    assert main([*args, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: 2 of 4 prompts finished") and "rerun the same command" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and len(bench.partial_path(out).read_text().splitlines()) == 1 + 2  # header + 2
+
+    made.clear()
+    monkeypatch.setattr(bench, "conversation_record", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    assert main([*args, "--out", str(out)]) == 0
+    assert "resuming, 2 of 4 prompts" in capsys.readouterr().err
+    assert len(made) == 2  # only the unfinished prompts were decoded
+    assert without_timings(out) == without_timings(whole)
+    assert not bench.partial_path(out).exists()
+
+
+def test_decode_ignores_the_partial_output_of_another_run(tmp_path, capsys):
+    import xpress.bench as bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path / "out.jsonl"
+    bench.partial_path(out).write_text(json.dumps({"resume": {"method": "other"}}) + "\n"
+                                       + json.dumps({"id": "chat", "token_ids": [1]}) + "\n")
+    assert main(["decode", "--preset", "smoke", "--method", "ar", "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "another run" in capsys.readouterr().err
+    assert [len(r["token_ids"]) for r in without_timings(out)] != [1, 4]
+    assert all(len(r["turns"][0]["token_ids"]) > 0 for r in without_timings(out))
+
+
+def test_decode_prepares_the_oracle_outside_the_timed_run(tmp_path, monkeypatch):
+    """The oracle's greedy continuations are computed before decoding: while prompts are decoded (and
+    timed), the oracle runs no target forward of its own."""
+    import xpress.bench as bench
+    import xpress.reference_drafters as ref
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"Say {i}."]}) + "\n" for i in range(3)))
+    calls = {"oracle": 0, "during_decode": None}
+    real_logits, real_decode = ref.lm_logits, bench.decode_records
+
+    def counted(*a, **k):
+        calls["oracle"] += 1
+        return real_logits(*a, **k)
+
+    def decode(*a, **k):
+        before = calls["oracle"]
+        out = real_decode(*a, **k)
+        calls["during_decode"] = calls["oracle"] - before
+        return out
+
+    monkeypatch.setattr(ref, "lm_logits", counted)
+    monkeypatch.setattr(bench, "decode_records", decode)
+    assert main(["decode", "--preset", "smoke", "--method", "oracle", "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--out", str(tmp_path / "o.jsonl"), "--no-progress"]) == 0
+    assert calls["oracle"] > 0 and calls["during_decode"] == 0
+
+
+# ------------------------------------------------------------------------------ unusable checkpoints
+def saved_checkpoint(folder, method: str, overrides=()):
+    """A checkpoint written by the project's own save function, for the smoke preset (with overrides)."""
+    from xpress.config import load_config
+    from xpress.proposer import new_drafter, save_drafter
+    from xpress.targets import load_target
+
+    cfg = load_config("smoke", list(overrides))
+    target = load_target(cfg)
+    d = new_drafter(method, cfg, target, seed=0)
+    return save_drafter(folder, d.drafter, d.head, d.vocab, method)
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def random_bytes(path):
+    path.write_bytes(os.urandom(4096))
+
+
+def broken_json(path):
+    path.write_text('{"hidden_size": 64, "num_attention')
+
+
+CORRUPTIONS = {  # name: (method saved, method asked, file, how it is spoiled, overrides at save time)
+    "truncated drafter weights": ("xpress", "xpress", "model.safetensors", truncate, ()),
+    "random-bytes drafter weights": ("dflash", "dflash", "model.safetensors", random_bytes, ()),
+    "broken config.json": ("xpress", "xpress", "config.json", broken_json, ()),
+    "truncated head weights": ("markov", "markov", "head.safetensors", truncate, ()),
+    "broken head.json": ("xpress", "xpress", "head.json", broken_json, ()),
+    "another method": ("markov", "xpress", None, None, ()),
+    "another method's drafter": ("xpress", "dflash", None, None, ()),
+    "another block size": ("xpress", "xpress", None, None, ("drafter.block_size=4",)),
+    "another target (hidden size)": ("dflash", "dflash", None, None, ("target.random_hidden=32",)),
+    "another target (layers)": ("xpress", "xpress", None, None, ("target.random_layers=4",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_decode_unusable_checkpoint_is_one_line(case, prompts_file, tmp_path, capsys):
+    saved, asked, name, spoil, overrides = CORRUPTIONS[case]
+    folder = saved_checkpoint(tmp_path / "ckpt", saved, overrides)
+    if spoil:
+        spoil(folder / name)
+    out = tmp_path / "o.jsonl"
+    rc = main(["decode", "--preset", "smoke", "--method", asked, "--prompts", str(prompts_file), "--checkpoint",
+               str(folder), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(folder) in err and f"python -m xpress train --preset smoke --method {asked}" in err
+    if name:
+        assert name in err
+    assert not out.exists() and not (tmp_path / "o.jsonl.partial").exists()  # nothing half-written

@@ -131,3 +131,28 @@ def test_parameter_and_flop_counts():
     assert x["weights_read"] < m["weights_read"]  # 4 readout passes vs 15 serial ones
     with pytest.raises(ValueError):
         count_flops("gru", v, h, r, b)
+
+
+def test_folded_and_markov_positions_from_lo():
+    ref = refiner()
+    h, prev = inputs(b=4)
+    with torch.no_grad():
+        folded, full = ref.fold(h), ref.fold(h)(prev)
+        for lo in range(P):
+            torch.testing.assert_close(folded(prev, None, None, lo=lo), full[:, lo:], atol=1e-5, rtol=1e-5)
+    head = randomize_(MarkovHead(vocab(), R), 1.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head.bias(prev, None, None, lo=2), head(prev)[:, 2:])
+
+
+def test_packed_readout_equals_the_linear_layer_and_follows_updates():
+    ref = refiner()
+    z = torch.randn(2, P, R, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ref.readout(z), ref.w_r(z), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ref.readout(z[:0]), ref.w_r(z[:0]))
+        ref.w_r.weight.mul_(2.0)  # an in-place update: the packed copy must be rebuilt
+        torch.testing.assert_close(ref.readout(z), ref.w_r(z), atol=1e-5, rtol=1e-5)
+    assert ref.readout(z).shape == (2, P, VD)
+    z.requires_grad_(True)  # with autograd the plain layer is used, so gradients flow
+    ref.readout(z).sum().backward()
+    assert z.grad is not None

@@ -91,9 +91,9 @@ def test_adaptive_iterations_per_sequence_and_frozen_rows():
     init = torch.stack([star[0], (star[1] + 1) % VD, star[2]])  # rows 0, 2 start at the fixed point
     seen = []
 
-    def spy(prev, rows, k=None):
+    def spy(prev, rows, k=None, lo=0):
         seen.append(rows.tolist())
-        return fn(prev, rows, k)
+        return fn(prev, rows, k, lo)
 
     res = jacobi_refine(spy, base, anchor, P, vocab=vocab, init=init)
     assert torch.equal(res.tokens, star)
@@ -118,3 +118,109 @@ def test_markov_sequential_uses_previous_token():
     res = sequential_refine(corrected_logits(base, head.bias), base, anchor, vocab=vocab)
     prev = prev_tokens(anchor, res.tokens, vocab)
     assert torch.equal(res.tokens, (base + head(prev)).argmax(-1))
+
+
+# ------------------------------------------------------------------ the incremental (fast) path
+def test_argmax_last_is_argmax_exactly():
+    from xpress.jacobi import argmax_last
+
+    g = torch.Generator().manual_seed(0)
+    for v in (5, 1024, 1000 + 37, 151936 // 16):
+        x = torch.randint(0, 4, (3, 6, v), generator=g).float()  # many ties: the first index must win
+        assert torch.equal(argmax_last(x), x.argmax(-1))
+        assert torch.equal(argmax_last(x[0].double()), x[0].double().argmax(-1))
+        y = torch.randn(2, v, generator=g)
+        y[1, -1] = 1e9  # the maximum in the short tail slice
+        assert torch.equal(argmax_last(y), y.argmax(-1))
+        y[0, v // 3] = float("nan")
+        assert torch.equal(argmax_last(y), y.argmax(-1))
+
+
+def _spy(fn, calls):
+    def spy(prev, rows, k=None, lo=0):
+        calls.append((rows.numel(), lo))
+        return fn(prev, rows, k, lo)
+    return spy
+
+
+def test_incremental_equals_dense_at_t0():
+    """Same tokens, iters and trajectory as recomputing every position every pass, for every K, from the
+    drafter's seed and from random seeds (blocks that converge at different passes)."""
+    seen_iters = set()
+    for seed in range(6):
+        vocab, fn, base, anchor = setup(b=8, seed=seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        for init in (None, torch.randint(0, VD, (8, P), generator=g)):
+            for k in range(1, P + 1):
+                calls = []
+                fast = jacobi_refine(_spy(fn, calls), base, anchor, k, vocab=vocab, init=init, return_trajectory=True)
+                dense = jacobi_refine(fn, base, anchor, k, vocab=vocab, init=init, return_trajectory=True,
+                                      incremental=False)
+                assert torch.equal(fast.tokens, dense.tokens) and torch.equal(fast.iters, dense.iters)
+                assert all(torch.equal(a, b) for a, b in zip(fast.trajectory, dense.trajectory))
+                assert len(fast.trajectory) == len(dense.trajectory) and fast.q is None
+                # pass t recomputes positions lo.. with lo >= t - 1 (Theorem 1: the first t-1 are final)
+                assert all(lo >= t for t, (_, lo) in enumerate(calls))
+                seen_iters.update(fast.iters.tolist())
+        star = sequential_refine(fn, base, anchor, vocab=vocab).tokens
+        assert torch.equal(jacobi_refine(fn, base, anchor, P, vocab=vocab).tokens, star)
+    assert len(seen_iters) >= 3  # blocks converged at different passes
+
+
+def test_incremental_equals_dense_at_t_positive():
+    for seed in range(4):
+        vocab, fn, base, anchor = setup(b=8, seed=seed)
+        noise = gumbel_noise(tuple(base.shape), torch.Generator().manual_seed(seed)).double()
+        for T in (0.3, 1.0):
+            for k in (1, 2, 3, P):
+                fast = jacobi_refine(fn, base, anchor, k, T, noise=noise, vocab=vocab, return_trajectory=True)
+                dense = jacobi_refine(fn, base, anchor, k, T, noise=noise, vocab=vocab, return_trajectory=True,
+                                      incremental=False)
+                assert torch.equal(fast.tokens, dense.tokens) and torch.equal(fast.iters, dense.iters)
+                assert all(torch.equal(a, b) for a, b in zip(fast.trajectory, dense.trajectory))
+                torch.testing.assert_close(fast.q, dense.q, atol=1e-6, rtol=1e-6)
+            seq = sequential_refine(fn, base, anchor, T, noise=noise, vocab=vocab)
+            fix = jacobi_refine(fn, base, anchor, P, T, noise=noise, vocab=vocab)
+            assert torch.equal(fix.tokens, seq.tokens)
+            torch.testing.assert_close(fix.q, seq.q, atol=1e-6, rtol=1e-6)
+
+
+def test_incremental_q_when_stopped_early_is_the_drawing_distribution():
+    """With K < convergence, q_k is softmax of the logits y_k was drawn from (the previous iterate's prefix),
+    also for positions whose logits were kept from an earlier pass."""
+    vocab, fn, base, anchor = setup(seed=6)
+    noise = gumbel_noise(tuple(base.shape), torch.Generator().manual_seed(2)).double()
+    for k in (2, 3):
+        res = jacobi_refine(fn, base, anchor, k, 1.0, noise=noise, vocab=vocab, return_trajectory=True)
+        full = res.iters == k
+        logits = fn(prev_tokens(anchor, res.trajectory[k - 1], vocab), torch.arange(6))
+        torch.testing.assert_close(res.q[full], distribution(logits, 1.0)[full], atol=1e-6, rtol=1e-6)
+        assert torch.equal(res.tokens[full], (logits / 1.0 + noise).argmax(-1)[full])
+
+
+def test_incremental_recomputes_fewer_positions():
+    vocab, fn, base, anchor = setup(b=1, seed=3)
+    g = torch.Generator().manual_seed(0)
+    init = torch.randint(0, VD, (1, P), generator=g)
+    calls = []
+    res = jacobi_refine(_spy(fn, calls), base, anchor, P, vocab=vocab, init=init)
+    rows = sum(P - lo for _, lo in calls)
+    assert len(calls) <= int(res.iters) and rows < int(res.iters) * P
+
+
+def test_incremental_in_float32_with_the_packed_readout():
+    """float32 (the oneDNN readout on CPU): the same tokens and iters as the dense path, q within 1e-6."""
+    g = torch.Generator().manual_seed(1)
+    vocab = DraftVocab.from_ids(range(V - VD, V), V)
+    ref = randomize_(XPressRefiner(vocab, H, P, R), 3.0, g)
+    h, base = torch.randn(5, P, H, generator=g), torch.randn(5, P, VD, generator=g)
+    anchor = torch.randint(0, V, (5,), generator=g)
+    with torch.no_grad():
+        fn = corrected_logits(base, ref.fold(h))
+        noise = gumbel_noise(tuple(base.shape), g)
+        for T, nz in ((0.0, None), (1.0, noise)):
+            fast = jacobi_refine(fn, base, anchor, 4, T, noise=nz, vocab=vocab)
+            dense = jacobi_refine(fn, base, anchor, 4, T, noise=nz, vocab=vocab, incremental=False)
+            assert torch.equal(fast.tokens, dense.tokens) and torch.equal(fast.iters, dense.iters)
+            if T:
+                torch.testing.assert_close(fast.q, dense.q, atol=1e-6, rtol=1e-5)

@@ -1,41 +1,24 @@
-"""The method comparison study and the pipeline's notebook selection."""
-import json
-
+"""The measurement path shared by the studies, the pipeline's notebook selection and order, and the README
+section generated from the result files."""
 import pytest
 
-from xpress import paths
 from xpress.config import ConfigError
-from xpress.pipeline import notebooks, select
-from xpress.studies.compare import compare_methods, summarize_rows
+from xpress.pipeline import ORDER, notebook_record, notebooks, select
+from xpress.studies.compare import benchmark_prompts, decode_interleaved, make_drafters
 
 
-def test_summarize_rows_by_hand():
-    rows = [
-        {"bench": "a", "id": "a0", "method": "ar", "tokens": 10, "steps": 10, "seconds": 2.0, "lossless": True},
-        {"bench": "a", "id": "a0", "method": "x", "tokens": 10, "steps": 4, "seconds": 1.0, "lossless": True},
-        {"bench": "b", "id": "b0", "method": "ar", "tokens": 20, "steps": 20, "seconds": 2.0, "lossless": True},
-        {"bench": "b", "id": "b0", "method": "x", "tokens": 20, "steps": 5, "seconds": 4.0, "lossless": False},
-    ]
-    s = {(r["method"], r["bench"]): r for r in summarize_rows(rows)}
-    assert s[("x", "a")]["tau"] == pytest.approx(2.5) and s[("x", "b")]["tau"] == pytest.approx(4.0)
-    assert s[("x", "a")]["speedup"] == pytest.approx(2.0)      # 5 tok/s AR vs 10 tok/s
-    assert s[("x", "b")]["speedup"] == pytest.approx(0.5)      # 10 tok/s AR vs 5 tok/s
-    assert s[("x", "avg")]["tau"] == pytest.approx(3.25)       # the mean over benchmarks, as the paper averages
-    assert s[("x", "avg")]["speedup"] == pytest.approx(1.25)
-    assert not s[("x", "avg")]["lossless"] and s[("ar", "avg")]["lossless"]
-
-
-def test_compare_methods_on_reference_drafters(cfg, target, tmp_path, monkeypatch):
-    monkeypatch.setattr(paths, "RESULTS", tmp_path)
-    result = compare_methods(cfg, target, methods=["oracle", "random"], per_benchmark=1, max_new_tokens=8,
-                             progress=False)
-    summary = {(r["method"], r["bench"]): r for r in result["summary"]}
-    assert all(r["lossless"] for r in result["rows"])
-    assert summary[("oracle", "avg")]["tau"] > summary[("random", "avg")]["tau"]
-    assert {r["bench"] for r in result["rows"]} == set(cfg.data.benchmarks)
-    saved = json.loads((tmp_path / cfg.preset / "methods_t0.json").read_text())
-    assert saved["provenance"]["preset"] == cfg.preset and "load_average_after" in saved["provenance"]
-    assert (tmp_path / cfg.preset / "methods_t0.csv").is_file()
+def test_decode_interleaved_order_and_losslessness(cfg, target):
+    prompts = benchmark_prompts(cfg, target, 1)[:2]
+    drafters = make_drafters(cfg, target, ["random"])
+    rows = decode_interleaved(target, drafters, prompts, 6, repeats=2, progress=False)
+    # prompt -> repeat -> method: AR and the method alternate on each prompt
+    assert [(r["id"], r["repeat"], r["method"]) for r in rows[:4]] == [
+        (prompts[0]["id"], 0, "ar"), (prompts[0]["id"], 0, "random"), (prompts[0]["id"], 1, "ar"),
+        (prompts[0]["id"], 1, "random")]
+    assert all(r["lossless"] for r in rows) and all(r["timed_steps"] >= 1 for r in rows)
+    sampled = decode_interleaved(target, drafters, prompts, 6, temperature=1.0, seed=5, repeats=2, progress=False)
+    assert all(r["lossless"] is None for r in sampled)
+    assert sampled[0]["tokens"] == sampled[2]["tokens"]     # a repeat re-draws the same tokens: same generator state
 
 
 def test_select_notebooks():
@@ -43,6 +26,39 @@ def test_select_notebooks():
     assert [p.name for p in select(["03"])] == ["03_cotraining.ipynb"]
     with pytest.raises(ConfigError, match="no notebook matches 'nosuch'.*00_environment"):
         select(["nosuch"])
+
+
+def test_pipeline_order_and_run_record():
+    assert list(ORDER) == sorted(ORDER) and list(ORDER)[4] == "04_speculative_decoding"
+    assert list(ORDER)[-1] == "07_figures"
+    present = [nb.stem for nb in notebooks()]
+    assert set(present) <= set(ORDER), f"a notebook is missing from xpress.pipeline.ORDER: {set(present) - set(ORDER)}"
+    rec = notebook_record({"00_environment": {"seconds": 1.5, "git_revision": "abc", "date": "d"}})
+    assert [r["notebook"] for r in rec] == list(ORDER)          # run.json lists every notebook, in order
+    assert rec[0]["seconds"] == 1.5 and rec[0]["git_revision"] == "abc" and rec[1]["seconds"] is None
+    # a partial run keeps the other notebooks' earlier records and replaces the ones it ran
+    old = {"00_environment": {"notebook": "00_environment", "seconds": 9.0, "git_revision": "old", "date": "d0"},
+           "01_data_regeneration": {"notebook": "01_data_regeneration", "seconds": 7.0, "git_revision": "old", "date": "d0"}}
+    rec = notebook_record({"00_environment": {"seconds": 1.5, "git_revision": "new", "date": "d1"}}, old)
+    assert (rec[0]["seconds"], rec[0]["git_revision"]) == (1.5, "new")
+    assert (rec[1]["seconds"], rec[1]["git_revision"]) == (7.0, "old") and rec[2]["seconds"] is None
+
+
+def test_partial_run_record_merges(tmp_path, monkeypatch):
+    import json
+
+    from xpress import paths
+    from xpress.pipeline import write_run_record
+
+    monkeypatch.setattr(paths, "RESULTS", tmp_path)
+    write_run_record("smoke", [], {"00_environment": {"seconds": 2.0, "git_revision": "a", "date": "d"},
+                                   "01_data_regeneration": {"seconds": 3.0, "git_revision": "a", "date": "d"}}, 5.0)
+    write_run_record("smoke", [], {"01_data_regeneration": {"seconds": 4.0, "git_revision": "b", "date": "e"}}, None)
+    run = json.loads((tmp_path / "smoke" / "run.json").read_text())
+    assert run["partial"] and run["notebook_seconds"] == {"00_environment": 2.0, "01_data_regeneration": 4.0}
+    write_run_record("smoke", [], {"02_refiner_and_theorems": {"seconds": 1.0, "git_revision": "c", "date": "f"}}, 1.0)
+    run = json.loads((tmp_path / "smoke" / "run.json").read_text())  # a whole run starts the record afresh
+    assert not run["partial"] and run["notebook_seconds"] == {"02_refiner_and_theorems": 1.0}
 
 
 def test_readme_results_agree_with_files():

@@ -7,6 +7,7 @@ Commands:
   decode   decode prompts with a method, e.g.
            ``python -m xpress decode --preset cpu --method oracle --bench gsm8k --limit 4 --out out.jsonl``
   bench    benchmark records, e.g. ``python -m xpress bench oracle-ceiling --preset cpu``
+  latency  latency per block (Table 3 / Figure 4): ``python -m xpress latency --preset cpu --target``
   regenerate  the target answers the training prompts (resumable): ``python -m xpress regenerate --preset cpu``
   report   README.md's results section from the result files: ``python -m xpress report --preset cpu``
   train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
@@ -46,8 +47,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    """Decode, write one JSON line per prompt; exit 2 with a message on bad input or a missing checkpoint."""
-    from .bench import DecodeInputError, decode_main
+    """Decode, write one JSON line per prompt; exit 2 with a message on bad input or a missing or unusable
+    checkpoint, 130 on Ctrl-C (finished prompts kept; the same command resumes)."""
+    from .bench import DecodeInputError, DecodeInterrupted, decode_main
     from .drafter import DrafterMismatchError
     from .targets import ContextTooLongError, TargetError
 
@@ -59,12 +61,21 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                               progress=not args.no_progress)
     except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError, DrafterMismatchError) as e:
         # FileNotFoundError: CheckpointNotFoundError, whose message says how to train the drafter;
-        # DrafterMismatchError: a checkpoint for another target or block size, the message names both
+        # DrafterMismatchError: a checkpoint for another target, block size or method, or an unreadable one
+        # (proposer.CheckpointUnreadableError); the message names the problem and the fix
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"error: method {args.method!r} is not available ({e})", file=sys.stderr)
         return 2
+    except DecodeInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before decoding started: this run wrote nothing
+        print("interrupted before decoding started; nothing was written", file=sys.stderr)
+        return 130
+    if summary.get("load_warning"):
+        print(f"warning: {summary['load_warning']}", file=sys.stderr)
     print(json.dumps({"out": args.out, "method": args.method, **summary}), file=sys.stderr)
     return 0
 
@@ -123,10 +134,44 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.preset, check=args.check)
 
 
+def _cmd_latency(args: argparse.Namespace) -> int:
+    """The latency study (Table 3 / Figure 4): results/<preset or --name>/latency.{json,csv}."""
+    from .studies.latency import LatencyConfig, run_latency
+
+    try:
+        lc = LatencyConfig(ks=tuple(range(1, args.max_k + 1)), repeats=args.repeats, device=args.device,
+                           dtype=args.dtype, target=args.random_target, compile=args.compile)
+        shape_sets = [s.strip() for s in args.shapes.split(",") if s.strip()]
+        target = None
+        if args.target and "preset" in shape_sets:
+            from .config import load_config
+            from .targets import load_target
+
+            target = load_target(load_config(args.preset, args.overrides))
+        result = run_latency(args.preset, shape_sets, lc, args.overrides, target=target, out_dir=args.out_dir,
+                             results_name=args.name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({name: {"markov_over_xpress_k4": s["markov_over_xpress_k4"],
+                             **{k: round(v["median_ms"], 3) for k, v in s["timings"].items()}}
+                      for name, s in result["shape_sets"].items()}, indent=2))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run
+    from .data import DataError
+    from .targets import TargetError
 
-    return run(args)
+    try:
+        return run(args)
+    except (TargetError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written (results are written once the benchmark completes)", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per turn; default: the preset's")
     p.add_argument("--limit", type=int, default=None, help="first M prompts; default: the preset's data.limit")
     p.add_argument("--checkpoint", default=None, help="drafter checkpoint folder (dflash, markov, xpress)")
-    p.add_argument("--out", required=True, help="output JSONL, written atomically")
+    p.add_argument("--out", required=True, help="output JSONL, written atomically once every prompt is done; "
+                   "finished prompts are kept in <out>.partial meanwhile (after Ctrl-C the same command resumes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="config overrides key=value (decode.batch_size=4, ...)")
     p.set_defaults(func=_cmd_decode)
@@ -195,10 +241,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if README.md and the result files disagree")
     p.set_defaults(func=_cmd_report)
 
+    p = sub.add_parser("latency", help="latency per block: refiner at K, Markov head, drafter, target (Table 3)")
+    p.add_argument("--preset", default="cpu")
+    p.add_argument("--shapes", default="preset,paper", help="comma-separated: preset, paper, tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--max-k", type=int, default=8, help="time the refiner at K = 1 .. max-k")
+    p.add_argument("--target", action="store_true", help="also time the preset's target (loaded) at its shapes")
+    p.add_argument("--random-target", action="store_true", help="also time a random Qwen3 target of each shape set")
+    p.add_argument("--compile", action="store_true", help="torch.compile the Jacobi pass of the CUDA-graph variant")
+    p.add_argument("--name", default=None, help="results/<name>/ instead of results/<preset>/ (e.g. h200)")
+    p.add_argument("--out-dir", default=None, help="default: results/<name or preset>/")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(func=_cmd_latency)
+
     p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _apply_threads(args: argparse.Namespace) -> None:
+    """Torch threads from the preset's ``torch_threads`` as a measuring or training command starts."""
+    if args.command in ("decode", "bench", "regenerate", "train"):
+        from .config import load_config
+        from .utils import apply_torch_threads
+
+        apply_torch_threads(load_config(args.preset, args.overrides).torch_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -206,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _apply_threads(args)
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,9 +5,11 @@
 
 ``oracle-ceiling`` runs, in one process and on the same prompts, autoregressive greedy decoding and
 speculative decoding with :class:`~xpress.reference_drafters.OracleDrafter` (whose greedy continuations
-are computed before the timed runs, so its drafting is ~free): the speedup a perfect drafter would give
-this target on this machine, with tau = B. It also measures the cost of one B-token verify forward
-relative to a 1-token decoding step, the ratio that caps that speedup (speedup ~ tau / ratio).
+are computed before the timed runs, so its drafting is ~free), interleaved per prompt: the speedup a
+perfect drafter would give this target on this machine, with tau = B, as the median over repeats with
+its spread. It also measures the cost of one B-token verify forward relative to a 1-token decoding
+step, the ratio that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged, not
+reported.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -71,6 +74,10 @@ def load_prompts(bench: str | None = None, prompts_file: str | Path | None = Non
 
 
 # ========================================================================================= decode runs
+class DecodeInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``decode``: the finished prompts are kept; the message says where and how to resume."""
+
+
 def conversation_record(target: Target, rec: dict, method: str, gens: list) -> dict[str, Any]:
     """One output line of ``decode``.
 
@@ -94,10 +101,59 @@ def conversation_record(target: Target, rec: dict, method: str, gens: list) -> d
             "timings": totals, "finish_reason": gens[-1].finish_reason if gens else "", "turns": turns}
 
 
+class DecodeProgress:
+    """A bar over prompts whose postfix follows the tokens inside long generations: tokens so far,
+    tokens/s and tau, refreshed at most every ``interval`` seconds from the engine's ``on_round`` calls."""
+
+    def __init__(self, total: int, done: int = 0, desc: str = "decode", enabled: bool = True,
+                 interval: float = 0.5) -> None:
+        from tqdm.auto import tqdm
+
+        self.enabled, self.interval = enabled, interval
+        self.bar = tqdm(total=total, initial=done, desc=desc, unit="prompt", disable=not enabled, file=sys.stderr)
+        self.tokens = self.steps = 0
+        self.t0 = self.shown = time.perf_counter()
+
+    def round(self, tokens: int, steps: int) -> None:
+        """``on_round`` of the decoding engine: ``tokens`` committed over ``steps`` row-steps."""
+        self.tokens += tokens
+        self.steps += steps
+        t = time.perf_counter()
+        if self.enabled and t - self.shown >= self.interval:
+            self.shown = t
+            self.bar.set_postfix_str(self.postfix(t), refresh=True)
+
+    def postfix(self, t: float | None = None) -> str:
+        seconds = (t or time.perf_counter()) - self.t0
+        return (f"{self.tokens} tok, {self.tokens / seconds if seconds > 0 else 0.0:.1f} tok/s, "
+                f"tau {self.tokens / max(1, self.steps):.2f}")
+
+    def prompt_done(self, n: int = 1) -> None:
+        if self.enabled:
+            self.bar.set_postfix_str(self.postfix(), refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def group_generator(seed: int, index: int) -> torch.Generator:
+    """The sampling generator of the batch that starts at prompt ``index``: seeded by (seed, index), so a
+    resumed run samples every remaining prompt as an uninterrupted one would."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
 def decode_records(target: Target, records: Sequence[dict], drafter: Drafter | None, method: str,
-                   max_new_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
-                   batch_size: int = 1, progress: bool = True) -> list[dict]:
-    """Decode every conversation (multi-turn: each turn after the model's own previous answers).
+                   max_new_tokens: int, temperature: float = 0.0, seed: int = 0, batch_size: int = 1,
+                   progress: bool = True, start: int = 0, total: int | None = None,
+                   on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """Decode every conversation (multi-turn: each turn after the model's own previous answers),
+    ``batch_size`` conversations at a time; the batch starting at prompt ``start + i`` samples with
+    :func:`group_generator` ``(seed, start + i)``. ``on_record(record)`` receives each finished record
+    (in order) as soon as its batch is done. ``start`` / ``total``: prompts already finished before these
+    and in the whole run (a resumed run), for the progress bar.
 
     First turns are checked against the context before anything runs (``ContextTooLongError``).
     """
@@ -106,27 +162,119 @@ def decode_records(target: Target, records: Sequence[dict], drafter: Drafter | N
 
     for rec in records:
         target.check_fits(len(encode_chat(target.tokenizer, rec["turns"][:1])), max_new_tokens)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(records), desc=f"decode {method}", unit="prompt", disable=not progress,
-               file=sys.stderr)
+    bar = DecodeProgress(total or start + len(records), start, f"decode {method}", progress)
+    out: list[dict] = []
     try:
-        gens = generate_conversations(target, [r["turns"] for r in records], drafter, max_new_tokens,
-                                      temperature, generator, batch_size=batch_size,
-                                      on_done=lambda i: bar.update(1))
+        for i in range(0, len(records), batch_size):
+            group = records[i:i + batch_size]
+            gens = generate_conversations(target, [r["turns"] for r in group], drafter, max_new_tokens,
+                                          temperature, group_generator(seed, start + i), batch_size=batch_size,
+                                          on_round=bar.round)
+            for r, g in zip(group, gens):
+                out.append(conversation_record(target, r, method, g))
+                if on_record:
+                    on_record(out[-1])
+                bar.prompt_done()
     finally:
         bar.close()
-    return [conversation_record(target, r, method, g) for r, g in zip(records, gens)]
+    return out
+
+
+def prepare_oracle(drafter: Any, records: Sequence[dict], target: Target, max_new_tokens: int,
+                   progress: bool = True) -> float:
+    """The oracle's own preparation, outside every timed region: its greedy continuation of each first
+    turn (``max_new_tokens + B + 1`` tokens), so that decoding times the speculative loop, not the
+    oracle's precomputation. Returns the seconds it took (0 for any other drafter)."""
+    from tqdm.auto import tqdm
+
+    from .reference_drafters import OracleDrafter
+    from .targets import encode_chat
+    from .utils import now
+
+    if not isinstance(drafter, OracleDrafter):
+        return 0.0
+    t0 = now(target.device)
+    for rec in tqdm(records, desc="oracle: greedy continuations (untimed)", unit="prompt", disable=not progress,
+                    file=sys.stderr):
+        drafter.prepare([encode_chat(target.tokenizer, rec["turns"][:1])], max_new_tokens + drafter.block_size + 1)
+    return now(target.device) - t0
+
+
+# ------------------------------------------------------------------------------- resumable output
+def partial_path(out: Path) -> Path:
+    """Where ``decode`` keeps the finished prompts of a run until it completes: ``<out>.partial``."""
+    return out.with_name(out.name + ".partial")
+
+
+def run_key(cfg: Any, method: str, records: Sequence[dict], temperature: float, seed: int, max_new_tokens: int,
+            checkpoint: str | None) -> dict[str, Any]:
+    """What identifies a decoding run: a resumed run must have the same key (as JSON reads it back)."""
+    import hashlib
+
+    prompts = hashlib.sha256(json.dumps([[r["id"], r["turns"]] for r in records]).encode()).hexdigest()
+    key = {"method": method, "temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens,
+           "checkpoint": str(paths.resolve(checkpoint)) if checkpoint else None, "prompts": prompts,
+           "config": cfg.to_dict()}
+    return json.loads(json.dumps(key, default=str))
+
+
+def read_partial(path: Path, key: dict[str, Any]) -> list[dict]:
+    """The finished records an interrupted run with this ``key`` left at ``path`` (a header line, then one
+    record a line; a last line cut by a hard kill is dropped); [] when there are none or they belong to
+    another run."""
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        if not lines or json.loads(lines[0]) != {"resume": key}:
+            return []
+    except json.JSONDecodeError:
+        return []
+    records = []
+    for line in lines[1:]:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class PartialOutput:
+    """The ``<out>.partial`` file of a decoding run: rewritten atomically with the kept records when the run
+    starts, then one record appended (flushed and synced) as each prompt finishes."""
+
+    def __init__(self, path: Path, key: dict[str, Any], kept: Sequence[dict]) -> None:
+        from .utils import atomic_write_jsonl
+
+        self.path = path
+        atomic_write_jsonl(path, [{"resume": key}, *kept])
+
+    def append(self, record: dict) -> None:
+        from .utils import DeferredInterrupt
+
+        with DeferredInterrupt() as stop:  # a Ctrl-C waits for the line to be complete
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if stop.requested:
+            raise KeyboardInterrupt
 
 
 def decode_main(preset: str, method: str, bench: str | None, prompts_file: str | None, out: str,
                 temperature: float | None = None, seed: int | None = None, max_new_tokens: int | None = None,
                 limit: int | None = None, overrides: Sequence[str] = (), checkpoint: str | None = None,
-                progress: bool = True) -> dict[str, float]:
-    """What ``python -m xpress decode`` does; returns the run's summary (tau, tokens/s, ...)."""
+                progress: bool = True) -> dict[str, Any]:
+    """What ``python -m xpress decode`` does; returns the run's summary (tau, tokens/s, ...).
+
+    Finished prompts go to ``<out>.partial`` as they finish; ``out`` is written (atomically) when every
+    prompt is done and the partial file removed. A Ctrl-C raises :class:`DecodeInterrupted` with the
+    finished prompts kept; the same command then resumes with the prompts still to do, and the file it
+    writes holds what an uninterrupted run would (timings aside).
+    """
     from .config import load_config
     from .targets import load_target
-    from .utils import atomic_write_jsonl, seed_everything
+    from .utils import atomic_write_jsonl, load_average, load_check, seed_everything
 
     cfg = load_config(preset, list(overrides))
     temperature = cfg.decode.temperature if temperature is None else temperature
@@ -147,12 +295,42 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
     records = load_prompts(bench, prompts_file, limit)
     if not records:
         raise DecodeInputError("no prompts to decode")
-    generator = seed_everything(seed)
+    key = run_key(cfg, method, records, temperature, seed, max_new_tokens, checkpoint)
+    part = partial_path(out_path)
+    kept = read_partial(part, key)
+    if kept:
+        print(f"decode: resuming, {len(kept)} of {len(records)} prompts already finished in {part}", file=sys.stderr)
+    elif part.is_file():
+        print(f"decode: {part} holds another run (other settings or prompts); starting over", file=sys.stderr)
+    seed_everything(seed)
     target = load_target(cfg)
     drafter = make_drafter(method, cfg, target, seed=seed, checkpoint=checkpoint)
-    results = decode_records(target, records, drafter, method, max_new_tokens, temperature, generator,
-                             batch_size=cfg.decode.batch_size, progress=progress)
-    atomic_write_jsonl(paths.resolve(out), results)
+    todo = records[len(kept):]
+    prepare_s = prepare_oracle(drafter, todo, target, max_new_tokens, progress)
+    load_start = load_average()
+    partial = PartialOutput(part, key, kept)
+    try:
+        results = kept + decode_records(target, todo, drafter, method, max_new_tokens, temperature, seed,
+                                        batch_size=cfg.decode.batch_size, progress=progress, start=len(kept),
+                                        total=len(records), on_record=partial.append)
+    except KeyboardInterrupt:
+        done = len(read_partial(part, key))
+        raise DecodeInterrupted(f"{done} of {len(records)} prompts finished, kept in {part}; rerun the same "
+                                f"command to continue") from None
+    atomic_write_jsonl(out_path, results)
+    part.unlink(missing_ok=True)
+    return {**decode_summary(results), "oracle_prepare_s": prepare_s,
+            "load_warning": load_check(load_start, load_average(), own_load=_threads())["load_warning"]}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def decode_summary(results: Sequence[dict]) -> dict[str, float]:
+    """Totals over ``decode`` records: prompts, tokens, steps, tau, seconds (decoding only), tokens/s."""
     tokens = sum(len(r["token_ids"]) for r in results)
     steps = sum(len(r["accept_lengths"]) for r in results)
     seconds = sum(r["timings"]["total"] for r in results)
@@ -225,28 +403,76 @@ def _benchmark_prompts(target: Target, benchmarks: Sequence[str], n_prompts: int
     return out[:n_prompts]
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles (inclusive method) and range of repeated measurements."""
+    v = sorted(values)
+    q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0], v[0], v[0])
+    return {"median": statistics.median(v), "q1": q1, "q3": q3, "min": v[0], "max": v[-1], "n": len(v)}
+
+
+def speedup_flag(speedup: float, tau: float, verify_ratio: float, tolerance: float = 0.15) -> str | None:
+    """Why a measured speedup contradicts its own tau, or None when it does not.
+
+    A speculative round commits ``tau`` tokens for one B-token verify, which costs ``verify_ratio``
+    1-token steps; with free drafting the speedup over AR is at most ``tau / verify_ratio`` (prefill, the
+    same for both, only pulls it towards 1), and never above ``tau``. A speedup more than ``tolerance``
+    above either bound means the AR and speculative timings were not taken under the same conditions.
+    """
+    bound = tau / max(verify_ratio, 1e-12)
+    if speedup > tau * (1 + tolerance):
+        return (f"speedup {speedup:.2f}x exceeds tau {tau:.2f}, which no speculative decoder can do: the AR and "
+                f"speculative timings were taken under different conditions (a busy machine?); rerun on an idle one")
+    if speedup > bound * (1 + tolerance):
+        return (f"speedup {speedup:.2f}x exceeds tau / verify-cost ratio = {tau:.2f} / {verify_ratio:.2f} = "
+                f"{bound:.2f}x, the ceiling with free drafting: the timings are not consistent (a busy "
+                f"machine?); rerun on an idle one")
+    return None
+
+
+def interleaved_runs(target: Target, drafters: dict[str, Drafter | None], prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int, repeats: int, progress: bool = False) -> list[dict[str, list]]:
+    """Per repeat, per method, the :class:`~xpress.decoding.Generation` of every prompt, decoded (batch 1,
+    T = 0) with the methods interleaved per prompt (A B A B ...: prompt 1 with each method, then prompt
+    2, ...), so slow drifts of the machine hit every method alike."""
+    from tqdm.auto import tqdm
+
+    from .decoding import generate_batch
+
+    runs = [{name: [] for name in drafters} for _ in range(repeats)]
+    with tqdm(total=repeats * len(prompts) * len(drafters), desc="oracle ceiling", unit="run",
+              disable=not progress, file=sys.stderr) as bar:
+        for run in runs:
+            for p in prompts:
+                for name, drafter in drafters.items():
+                    run[name].append(generate_batch(target, drafter, [list(p)], max_new_tokens)[0])
+                    bar.update(1)
+    return runs
+
+
 def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int = 128, repeats: int = 3,
                    benchmarks: Sequence[str] = ("gsm8k", "mt-bench"), out_dir: str | Path | None = None,
-                   overrides: Sequence[str] = (), verify_repeats: int = 30) -> dict[str, Any]:
+                   overrides: Sequence[str] = (), verify_repeats: int = 30, progress: bool = False) -> dict[str, Any]:
     """AR vs speculative decoding with the oracle drafter, same prompts, same run, T = 0.
 
     ``n_prompts`` first user turns split over ``benchmarks`` (MT-Bench: turn 1 only). Each repeat
-    decodes every prompt (batch 1) with AR, then with the oracle; tokens/s = tokens / seconds summed over
-    prompts (prefill included); the reported numbers are medians over repeats. The oracle's greedy
-    continuations (``max_new_tokens + B + 1`` tokens) are computed once before timing. Writes
-    ``results/<preset>/oracle_ceiling.json`` and ``.csv`` (atomically, with provenance) and returns the
-    JSON payload. Timings are only meaningful on an otherwise idle machine: the load average before and
-    after is stored with the provenance.
+    decodes every prompt (batch 1) with AR and with the oracle, interleaved per prompt
+    (:func:`interleaved_runs`); tokens/s = tokens / seconds summed over prompts (prefill included). The
+    reported numbers are medians over repeats, with their spread (``spread``: quartiles and range). The
+    oracle's greedy continuations (``max_new_tokens + B + 1`` tokens) are computed once before any
+    timing (``oracle_prepare_s``, never counted as drafting). A speedup that contradicts its own tau
+    (:func:`speedup_flag`) is not reported: ``speedup`` is then None, ``speedup_measured`` holds the number
+    and ``flag`` says why. The load average before and after goes with the provenance, and ``load_warning``
+    says when the machine was busy. Writes ``results/<preset>/oracle_ceiling.json`` and ``.csv``
+    (atomically) and returns the JSON payload.
     """
-    import torch
-
     from .config import load_config
     from .decoding import generate_ar, generate_speculative, speedup, summarize
     from .reference_drafters import OracleDrafter
     from .targets import load_target
-    from .utils import atomic_write_json, atomic_write_text, now, provenance, seed_everything
+    from .utils import (atomic_write_json, atomic_write_text, load_average, load_check, now, provenance,
+                        seed_everything)
 
-    load_before = os.getloadavg()
+    load_start = load_average()
     cfg = load_config(preset, list(overrides))
     seed_everything(cfg.seed)
     target = load_target(cfg)
@@ -255,46 +481,54 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     ids = [p for _, p in prompts]
     oracle = OracleDrafter(target, cfg)
     t0 = now(target.device)
-    oracle.prepare(ids, max_new_tokens + B + 1)
+    oracle.prepare(ids, max_new_tokens + B + 1)  # untimed: the oracle's own preparation
     prepare_s = now(target.device) - t0
     generate_ar(target, ids[0], 8)  # warm-up (allocator, kernels)
     generate_speculative(target, oracle, ids[0], 8)
 
+    runs = interleaved_runs(target, {"ar": None, "oracle": oracle}, ids, max_new_tokens, repeats, progress)
     rows, per_repeat = [], []
     mismatches: set[str] = set()
-    for r in range(repeats):
-        ar = [generate_ar(target, p, max_new_tokens) for p in ids]
-        sd = [generate_speculative(target, oracle, p, max_new_tokens) for p in ids]
-        mismatches |= {pid for (pid, _), a, s in zip(prompts, ar, sd) if a.token_ids != s.token_ids}
-        s_ar, s_sd = summarize(ar), summarize(sd)
+    for r, run in enumerate(runs):
+        mismatches |= {pid for (pid, _), a, s in zip(prompts, run["ar"], run["oracle"]) if a.token_ids != s.token_ids}
+        s_ar, s_sd = summarize(run["ar"]), summarize(run["oracle"])
         per_repeat.append({"repeat": r, "ar": s_ar, "oracle": s_sd, "speedup": speedup(s_ar, s_sd)})
         for name, s in (("ar", s_ar), ("oracle", s_sd)):
             rows.append({"method": name, "repeat": r, **{k: s[k] for k in
                          ("tokens", "steps", "tau", "seconds", "tokens_per_s")}})
 
-    def med(method: str, key: str) -> float:
-        return statistics.median(p[method][key] for p in per_repeat)
-
     context = ids[0][:max(1, min(len(ids[0]), target.cfg.max_context - B - 1))]
     ratio = verify_cost_ratio(target, context, B, repeats=verify_repeats)
+    load = load_check(load_start, load_average(), own_load=_threads())
+    spreads = {"ar_tokens_per_s": spread([p["ar"]["tokens_per_s"] for p in per_repeat]),
+               "oracle_tokens_per_s": spread([p["oracle"]["tokens_per_s"] for p in per_repeat]),
+               "speedup": spread([p["speedup"] for p in per_repeat])}
+    tau = statistics.median(p["oracle"]["tau"] for p in per_repeat)
+    measured = spreads["speedup"]["median"]
+    flag = speedup_flag(measured, tau, ratio["loop_ratio"])
     oracle_sd = per_repeat[-1]["oracle"]
     result = {
         "what": "AR vs speculative decoding with the oracle drafter (tau = B ceiling), T=0, batch 1",
         "preset": preset, "target": target.name, "block_size": B, "n_prompts": len(ids),
         "prompt_ids": [pid for pid, _ in prompts], "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "ar_tokens_per_s": med("ar", "tokens_per_s"),
-        "oracle_tokens_per_s": med("oracle", "tokens_per_s"),
-        "speedup": statistics.median(p["speedup"] for p in per_repeat),
-        "tau": med("oracle", "tau"),
+        "order": "interleaved per prompt: AR, oracle, AR, oracle, ... (each repeat)",
+        "ar_tokens_per_s": spreads["ar_tokens_per_s"]["median"],
+        "oracle_tokens_per_s": spreads["oracle_tokens_per_s"]["median"],
+        "speedup": None if flag else measured,
+        "speedup_measured": measured,
+        "speedup_bound": tau / ratio["loop_ratio"],
+        "flag": flag,
+        "tau": tau,
+        "spread": spreads,
         "tokens": per_repeat[-1]["ar"]["tokens"],
         "lossless": not mismatches, "mismatched_prompts": sorted(mismatches),
         "oracle_stage_seconds_last_repeat": {k: oracle_sd[k] for k in oracle_sd
                                              if k.endswith("_s") and k != "tokens_per_s"},
         "oracle_prepare_s": prepare_s,
         "verify_cost": ratio,
+        "load_warning": load["load_warning"],
         "per_repeat": per_repeat,
-        "provenance": provenance(preset, torch_threads=torch.get_num_threads(),
-                                 load_average_before=load_before, load_average_after=os.getloadavg()),
+        "provenance": provenance(preset, **load),
     }
     folder = Path(out_dir) if out_dir else paths.RESULTS / preset
     atomic_write_json(folder / "oracle_ceiling.json", result)
@@ -316,16 +550,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmark names")
     parser.add_argument("--out-dir", default=None, help="default: results/<preset>/")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
 
 
 def run(args: argparse.Namespace) -> int:
     result = oracle_ceiling(args.preset, args.n_prompts, args.max_new_tokens, args.repeats,
                             [b.strip() for b in args.benchmarks.split(",") if b.strip()], args.out_dir,
-                            args.overrides)
-    keys = ("ar_tokens_per_s", "oracle_tokens_per_s", "speedup", "tau", "lossless")
+                            args.overrides, progress=not args.no_progress)
+    keys = ("ar_tokens_per_s", "oracle_tokens_per_s", "speedup", "speedup_measured", "tau", "lossless", "flag")
     print(json.dumps({**{k: result[k] for k in keys},
                       "verify_ratio": result["verify_cost"]["loop_ratio"]}, indent=2))
+    for warning in (result["flag"], result["load_warning"]):
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -126,17 +126,28 @@ class DecodeConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out benchmark decoding that compares the methods (tau by decoding, speedup over AR)."""
+    """Held-out benchmark decoding that compares the methods: Table 1 (tau by decoding and the speedup over
+    AR, batch 1, T = 0 and T = 1; :mod:`xpress.studies.table1`) and the batched throughput table
+    (:mod:`xpress.studies.batched`)."""
 
     prompts_per_benchmark: int = 8  # first user turns of each of data.benchmarks
     max_new_tokens: int = 128
     methods: list[str] = field(default_factory=lambda: ["dflash", "markov", "xpress"])
+    repeats: int = 1  # timed passes per prompt at T = 0 (interleaved; medians and their spread)
+    sampling_temperature: float = 1.0  # Table 1's second temperature
+    sampling_seeds: list[int] = field(default_factory=lambda: [0, 1])  # one timed pass per seed; [] = T = 0 only
+    bootstrap: int = 2000  # resamples of the prompts for the interval of the tau ratios
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])  # batched table
+    batched_prompts: int = 16  # the same prompts at every batch size (at least the largest batch)
+    batched_max_new_tokens: int = 64
+    batched_methods: list[str] = field(default_factory=lambda: ["dflash", "xpress"])  # AR is always measured
 
 
 @dataclass
 class Config:
     preset: str = "smoke"
     seed: int = 0
+    torch_threads: int = 0  # torch intra-op threads; 0 = $OMP_NUM_THREADS when set, else the physical cores
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -149,6 +160,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self) -> "Config":
+        _check(self.torch_threads >= 0, "torch_threads must be >= 0 (0 = the physical cores)")
         _check(self.target.source in {"gguf", "hub", "random"},
                f"target.source={self.target.source!r}: use one of gguf, hub, random")
         _check(self.target.dtype in {"float32", "bfloat16", "float16"},
@@ -170,6 +182,13 @@ class Config:
         _check(self.decode.max_new_tokens >= 1, "decode.max_new_tokens must be at least 1")
         _check(self.eval.prompts_per_benchmark >= 1 and self.eval.max_new_tokens >= 1,
                "eval.prompts_per_benchmark and eval.max_new_tokens must be at least 1")
+        _check(self.eval.repeats >= 1 and self.eval.bootstrap >= 1, "eval.repeats and eval.bootstrap must be at least 1")
+        _check(self.eval.sampling_temperature > 0, "eval.sampling_temperature must be positive")
+        _check(bool(self.eval.batch_sizes) and min(self.eval.batch_sizes) >= 1,
+               "eval.batch_sizes must list batch sizes of at least 1")
+        _check(self.eval.batched_prompts >= max(self.eval.batch_sizes or [1]) and self.eval.batched_max_new_tokens >= 1,
+               f"eval.batched_prompts={self.eval.batched_prompts} must be at least the largest of eval.batch_sizes "
+               f"and eval.batched_max_new_tokens at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
         _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
                "data sizes must be >= 0")

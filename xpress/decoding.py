@@ -43,6 +43,7 @@ from .utils import Stopwatch, now
 SPEC_STAGES = ("draft", "refine", "verify", "bookkeeping")
 COMPACT_MIN_HOLES = 32  # RaggedKV compacts once every row has at least this many holes
 AR_STAGES = ("forward", "bookkeeping")
+OnRound = Callable[[int, int], None]  # on_round(tokens committed, rows advanced) after every target step
 
 
 # ================================================================================ acceptance (pure)
@@ -374,11 +375,13 @@ def _per_row(stats: dict[str, Any], b: int) -> dict[str, list]:
 @torch.inference_mode()
 def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       temperature: float = 0.0, generator: torch.Generator | None = None,
-                      stop_ids: Sequence[int] | None = None) -> list[Generation]:
+                      stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None) -> list[Generation]:
     """Autoregressive decoding of ``b`` prompts (left-padded, one KV cache): one target forward per token.
 
     Stops a row at an EOS/stop token (kept) or after ``max_new_tokens``; finished rows keep being fed
     (their results are frozen) until every row is done. Returns one :class:`Generation` per prompt.
+    ``on_round(tokens, steps)`` (progress bars) is called after every step with the tokens it committed
+    and the rows it advanced.
     """
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
@@ -402,6 +405,8 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
             done = [i for i in live if stopped[i] or len(rows.gens[i].token_ids) + 1 >= max_new_tokens]
         times = sw.pop()
         rows.record(live, [[t] for t in tok_l], [1] * b, None, None if first else times, {})
+        if on_round:
+            on_round(len(live), len(live))
         rows.finish(done, stopped)
         if done:
             finished = set(done)
@@ -419,12 +424,14 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
 
 
 def generate_ar(target: Target, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, stop_ids: Sequence[int] | None = None) -> Generation:
+                generator: torch.Generator | None = None, stop_ids: Sequence[int] | None = None,
+                on_round: OnRound | None = None) -> Generation:
     """Autoregressive decoding of one prompt (``prompt_ids``: token ids, chat template applied).
 
     Greedy at ``temperature == 0``, else sampling from ``softmax(logits / T)`` with ``generator``.
     """
-    return generate_ar_batch(target, [list(prompt_ids)], max_new_tokens, temperature, generator, stop_ids)[0]
+    return generate_ar_batch(target, [list(prompt_ids)], max_new_tokens, temperature, generator, stop_ids,
+                             on_round)[0]
 
 
 # ============================================================================================ speculative
@@ -432,12 +439,14 @@ def generate_ar(target: Target, prompt_ids: Sequence[int], max_new_tokens: int, 
 def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
                                max_new_tokens: int, temperature: float = 0.0,
                                generator: torch.Generator | None = None,
-                               stop_ids: Sequence[int] | None = None) -> list[Generation]:
+                               stop_ids: Sequence[int] | None = None,
+                               on_round: OnRound | None = None) -> list[Generation]:
     """Speculative decoding of ``b`` prompts with ``drafter`` (ragged acceptance, one target KV cache).
 
     Lossless: at T = 0 each row equals greedy :func:`generate_ar`; at T > 0 each row is distributed as
     autoregressive sampling from ``softmax(logits / T)`` (rejection sampling with the drafter's ``q``).
-    Returns one :class:`Generation` per prompt.
+    Returns one :class:`Generation` per prompt. ``on_round(tokens, steps)`` (progress bars) is called
+    after every round with the tokens it committed and the rows it verified.
     """
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
@@ -498,6 +507,8 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
                 drafter.extend(block[:, :k_max], out.features[:, :k_max], positions[:, :k_max],
                                arange_B[:k_max] < keep[:, None])
         rows.record(live, toks, count_l, raw_l, sw.pop(), _per_row(draft.stats, b))
+        if on_round:
+            on_round(sum(count_l[i] for i in live), len(live))
         rows.finish([i for i in live if done_l[i]], stop_l)
         live = [i for i in live if not done_l[i]]
     return rows.gens
@@ -505,21 +516,22 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
 
 def generate_speculative(target: Target, drafter: Drafter, prompt_ids: Sequence[int], max_new_tokens: int,
                          temperature: float = 0.0, generator: torch.Generator | None = None,
-                         stop_ids: Sequence[int] | None = None) -> Generation:
+                         stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None) -> Generation:
     """Speculative decoding of one prompt with any :class:`~xpress.protocol.Drafter` (batch 1: the
     rejected tail is cropped off the DynamicCache; no attention mask)."""
     return generate_speculative_batch(target, drafter, [list(prompt_ids)], max_new_tokens, temperature,
-                                      generator, stop_ids)[0]
+                                      generator, stop_ids, on_round)[0]
 
 
 def generate_batch(target: Target, drafter: Drafter | None, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
-                   stop_ids: Sequence[int] | None = None) -> list[Generation]:
-    """:func:`generate_ar_batch` when ``drafter`` is None, else :func:`generate_speculative_batch`."""
+                   stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None) -> list[Generation]:
+    """:func:`generate_ar_batch` when ``drafter`` is None, else :func:`generate_speculative_batch`;
+    ``on_round(tokens, steps)`` follows every target step (progress bars; off by default)."""
     if drafter is None:
-        return generate_ar_batch(target, prompts, max_new_tokens, temperature, generator, stop_ids)
+        return generate_ar_batch(target, prompts, max_new_tokens, temperature, generator, stop_ids, on_round)
     return generate_speculative_batch(target, drafter, prompts, max_new_tokens, temperature, generator,
-                                      stop_ids)
+                                      stop_ids, on_round)
 
 
 # ============================================================================================ multi-turn
@@ -531,14 +543,15 @@ def answer_text(target: Target, generation: Generation) -> str:
 def generate_conversations(target: Target, conversations: Sequence[Sequence[str]], drafter: Drafter | None,
                            max_new_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
                            stop_ids: Sequence[int] | None = None, batch_size: int = 1,
-                           on_done: Callable[[int], None] | None = None) -> list[list[Generation]]:
+                           on_done: Callable[[int], None] | None = None,
+                           on_round: OnRound | None = None) -> list[list[Generation]]:
     """Multi-turn decoding (MT-Bench convention): turn t+1 follows the model's OWN answer to turn t.
 
     ``conversations``: per conversation, its user turns. For each turn the chat (thinking off) is
     re-encoded with the previous user turns and the model's decoded answers, then decoded with
     ``drafter`` (None = autoregressive), ``batch_size`` conversations at a time (turn by turn).
     Returns, per conversation, one :class:`Generation` per turn. ``on_done(i)`` is called when
-    conversation ``i`` is complete (progress bars).
+    conversation ``i`` is complete and ``on_round(tokens, steps)`` after every target step (progress bars).
     """
     out: list[list[Generation]] = [[] for _ in conversations]
     for start in range(0, len(conversations), batch_size):
@@ -551,7 +564,7 @@ def generate_conversations(target: Target, conversations: Sequence[Sequence[str]
                 chat = [m for q, a in zip(conversations[i][:t], answers[i]) for m in (q, a)]
                 prompts.append(encode_chat(target.tokenizer, chat + [conversations[i][t]]))
             for i, g in zip(live, generate_batch(target, drafter, prompts, max_new_tokens, temperature,
-                                                 generator, stop_ids)):
+                                                 generator, stop_ids, on_round)):
                 out[i].append(g)
                 answers[i].append(answer_text(target, g))
         for i in group:

@@ -7,9 +7,17 @@ anchor may lie outside the draft vocabulary), mapped with the block's :class:`Dr
 
 A ``logits_fn(prev, rows, k=None)`` gives the corrected logits ``s + delta``: ``prev`` [n, P] int64 target
 ids for the blocks ``rows`` [n] int64 of the batch; with ``k=None`` all positions at once, [n, P, Vd]
-(one parallel pass); with ``k`` (0-based) only position ``k``, [n, Vd]. Position ``k`` must depend on the
-tokens only through ``prev[:, :k+1]`` (Proposition 1); :func:`corrected_logits` builds one from base
-logits and a head's correction.
+(one parallel pass); with ``k`` (0-based) only position ``k``, [n, Vd]; with the keyword ``lo`` (used by
+:func:`jacobi_refine` when ``lo > 0``) only positions ``lo .. P-1``, [n, P-lo, Vd]. Position ``k`` must
+depend on the tokens only through ``prev[:, :k+1]`` (Proposition 1); :func:`corrected_logits` builds one
+from base logits and a head's correction.
+
+Incremental passes. By causality a position's logits change only when its prefix changes: if a pass
+changed no token before position ``m``, the logits of positions ``0 .. m`` are those of the previous pass.
+:func:`jacobi_refine` therefore tracks, per block, the first position whose prefix changed and recomputes
+only the positions from there on (the first ``t`` positions are final after ``t`` passes, Theorem 1, so a
+pass never recomputes more than ``P - t + 1`` of them). The tokens, ``iters``, trajectory and ``q`` are
+those of the dense algorithm (``incremental=False``, every position every pass).
 
 Sampling (``temperature > 0``) uses the Gumbel-max trick with noise ``g`` [b, P, Vd] drawn ONCE per block:
 ``y_k = argmax(l_k / T + g_k)`` is an exact sample of ``softmax(l_k / T)``, and with the noise fixed the
@@ -61,10 +69,31 @@ def block_noise(base_logits: torch.Tensor, temperature: float, generator: torch.
     return noise
 
 
+ARGMAX_CHUNK = 256  # vocabulary chunk of :func:`argmax_last` (CPU)
+
+
+def argmax_last(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """``x.argmax(-1)``, exactly (first index on ties, NaN counts as the maximum): x [..., V] -> [...] int64.
+
+    On the CPU a long last dimension is reduced in two stages, the maxima of ``chunk``-wide slices (a
+    vectorised ``amax``), then the first slice holding the overall maximum and the first index inside it;
+    several times faster than ``argmax`` over a 150k vocabulary. Elsewhere, ``argmax`` itself."""
+    v = x.shape[-1]
+    if x.device.type != "cpu" or v < 4 * chunk or x.dtype not in (torch.float32, torch.float64):
+        return x.argmax(-1)
+    n = v // chunk
+    peaks = x[..., :n * chunk].unflatten(-1, (n, chunk)).amax(-1)  # [..., n]
+    if n * chunk < v:
+        peaks = torch.cat([peaks, x[..., n * chunk:].amax(-1, keepdim=True)], dim=-1)  # the short tail slice
+    first = peaks.argmax(-1, keepdim=True) * chunk  # [..., 1]: start of the first slice holding the maximum
+    idx = (first + torch.arange(chunk, device=x.device)).clamp_max(v - 1)  # a clamped tail repeats its last entry
+    return (first + x.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
+
+
 def select(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> torch.Tensor:
     """logits [..., Vd] -> tokens [...]: argmax at T=0 (first index on ties), else the Gumbel-max sample
     ``argmax(logits / T + noise)`` of ``softmax(logits / T)``."""
-    return logits.argmax(-1) if temperature <= 0 else (logits / temperature + noise).argmax(-1)
+    return argmax_last(logits) if temperature <= 0 else argmax_last(logits / temperature + noise)
 
 
 def distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -80,10 +109,14 @@ def prev_tokens(anchor: torch.Tensor, tokens: torch.Tensor, vocab: DraftVocab | 
 
 def corrected_logits(base_logits: torch.Tensor, correction: Callable[..., torch.Tensor]) -> LogitsFn:
     """The ``logits_fn`` ``s + delta`` for base logits [b, P, Vd] and a head's correction
-    (``FoldedRefiner`` or ``MarkovHead.bias``: ``(prev, rows, k) -> delta``)."""
-    def logits_fn(prev: torch.Tensor, rows: torch.Tensor, k: int | None = None) -> torch.Tensor:
-        s = base_logits[rows] if k is None else base_logits[rows, k]
-        return s + correction(prev, rows, k)
+    (``FoldedRefiner`` or ``MarkovHead.bias``: ``(prev, rows, k, lo=0) -> delta``, a new tensor, to which
+    ``s`` is added in place: the [n, P, Vd] logits are materialised once)."""
+    def logits_fn(prev: torch.Tensor, rows: torch.Tensor, k: int | None = None, lo: int = 0) -> torch.Tensor:
+        if k is not None:
+            return correction(prev, rows, k).add_(base_logits[rows, k])
+        delta = correction(prev, rows, k) if lo == 0 else correction(prev, rows, k, lo=lo)
+        one = base_logits.shape[0] == 1 and rows.numel() == 1  # the only block: a view, no gathered copy
+        return delta.add_(base_logits[:, lo:] if one else base_logits[rows, lo:])
     return logits_fn
 
 
@@ -99,17 +132,23 @@ def jacobi_step(logits_fn: LogitsFn, tokens: torch.Tensor, anchor: torch.Tensor,
 def jacobi_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.Tensor, max_iters: int,
                   temperature: float = 0.0, generator: torch.Generator | None = None,
                   noise: torch.Tensor | None = None, *, vocab: DraftVocab | None = None,
-                  init: torch.Tensor | None = None, return_trajectory: bool = False) -> RefineResult:
+                  init: torch.Tensor | None = None, return_trajectory: bool = False,
+                  incremental: bool = True) -> RefineResult:
     """Parallel refinement (Algorithm 1) with adaptive stopping per block.
 
     base_logits [b, P, Vd] float32 (the drafter's ``s``), anchor [b] target ids, ``vocab`` the draft
     vocabulary of the logits (None: draft ids are target ids); ``noise`` [b, P, Vd] Gumbel noise (default:
     drawn from ``generator``; ignored at T=0). The seed ``Y^(0)`` is
     ``init`` [b, P] draft ids if given, else the drafter's own choice ``select(s)`` (argmax at T=0; at T>0
-    the drafter's sample under the block's noise). Each pass recomputes all positions of the blocks that
-    are still changing in one ``logits_fn`` call; a block stops (and is never recomputed) when a pass
-    leaves it unchanged, or after ``min(max_iters, P)`` passes: by Theorem 1 the iterate is the
-    sequential decode after P passes, so a confirming pass is never needed. ``iters`` counts the passes.
+    the drafter's sample under the block's noise). Each pass updates the blocks that are still changing
+    in one ``logits_fn`` call; a block stops (and is never recomputed) when a pass leaves it unchanged, or
+    after ``min(max_iters, P)`` passes: by Theorem 1 the iterate is the sequential decode after P passes,
+    so a confirming pass is never needed. ``iters`` counts the passes.
+
+    ``incremental`` (default) recomputes, per block, only the positions whose prefix changed in the
+    previous pass (module docstring); ``False`` recomputes every position every pass, the algorithm as
+    written. Both give the same tokens, ``iters``, trajectory and ``q``: a kept position's logits are
+    the ones the dense pass would recompute from the same prefix.
 
     Losslessness at T>0 for any K. The returned ``q_k = softmax(l_k / T)`` uses the logits ``l_k`` that
     ``y_k`` was drawn from, i.e. computed from the previous iterate's prefix (equal to the final block's
@@ -120,29 +159,59 @@ def jacobi_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.
     all speculative sampling needs (the proposal at ``k`` may depend on any information independent of
     ``g_k``), so the acceptance test with ``q`` is lossless even if K stops before convergence. Adaptive
     stopping changes nothing: once a block is a fixed point, further passes reproduce the same tokens and
-    logits, so the result is that of a fixed K.
+    logits, so the result is that of a fixed K. ``q`` is one softmax at the end over the kept logits
+    (none is computed at T=0).
     """
     b, p, _ = base_logits.shape
+    dev = base_logits.device
     noise = block_noise(base_logits, temperature, generator, noise)
     y = (select(base_logits, temperature, noise) if init is None else init).clone()
-    q = None if noise is None else torch.zeros_like(base_logits, dtype=torch.float32)
-    iters = torch.zeros(b, dtype=torch.int64, device=base_logits.device)
-    active = torch.arange(b, device=base_logits.device)
+    drawn_from = None if noise is None else torch.zeros_like(base_logits, dtype=torch.float32)  # l_k per y_k
+    iters = torch.zeros(b, dtype=torch.int64, device=dev)
+    start = torch.zeros(b, dtype=torch.int64, device=dev)  # first position whose prefix changed last pass
+    active = torch.arange(b, device=dev)
     trajectory = [y.clone()] if return_trajectory else None
     for _ in range(min(max_iters, p)):
-        new, logits = jacobi_step(logits_fn, y[active], anchor[active], active, temperature,
-                                  None if noise is None else noise[active], vocab=vocab)
         iters[active] += 1
-        if q is not None:
-            q[active] = distribution(logits, temperature)
-        settled = (new == y[active]).all(dim=-1)
-        y[active] = new
+        if not incremental:
+            start[active] = 0
+        changed = _incremental_pass(logits_fn, y, anchor, active, start, temperature, noise, drawn_from, vocab)
         if trajectory is not None:
             trajectory.append(y.clone())
-        active = active[~settled]
+        active = active[changed]
         if active.numel() == 0:
             break
+    q = None if drawn_from is None else (distribution(drawn_from, temperature) if max_iters >= 1 else drawn_from)
     return RefineResult(y, q, iters, trajectory)
+
+
+def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor, active: torch.Tensor,
+                      start: torch.Tensor, temperature: float, noise: torch.Tensor | None,
+                      drawn_from: torch.Tensor | None, vocab: DraftVocab | None) -> torch.Tensor:
+    """One Jacobi pass over the blocks ``active`` [a], in place: positions ``>= start`` [b] of each block are
+    recomputed (one ``logits_fn`` call from the lowest start on; positions below a block's own start keep
+    their token and logits), ``y`` [b, P] and ``drawn_from`` [b, P, Vd] (T>0) updated, ``start`` set to one
+    past each block's first changed position. Returns [a] bool: the block changed."""
+    p = y.shape[1]
+    work = active[start[active] < p]  # blocks with at least one position to recompute
+    if work.numel() == 0:
+        return torch.zeros(active.shape, dtype=torch.bool, device=y.device)
+    lo = int(start[work].min())
+    logits = logits_fn(prev_tokens(anchor[work], y[work], vocab), work, lo=lo) if lo else \
+        logits_fn(prev_tokens(anchor[work], y[work], vocab), work)  # [n, P-lo, Vd]
+    old = y[work, lo:]  # [n, P-lo]
+    new = select(logits, temperature, None if noise is None else noise[work, lo:])
+    kept = torch.arange(lo, p, device=y.device) < start[work, None]  # [n, P-lo]: logits still valid
+    same_start = bool((start[work] == lo).all())  # then no position of the call is kept (always at b = 1)
+    if not same_start:
+        new = torch.where(kept, old, new)
+    if drawn_from is not None:
+        drawn_from[work, lo:] = logits if same_start else torch.where(kept[..., None], drawn_from[work, lo:], logits)
+    diff = new != old  # [n, P-lo]
+    moved = diff.any(dim=1)
+    y[work, lo:] = new
+    start[work] = torch.where(moved, diff.int().argmax(dim=1) + lo + 1, p)
+    return torch.isin(active, work[moved])
 
 
 def sequential_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.Tensor,

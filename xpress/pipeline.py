@@ -15,6 +15,17 @@ from . import paths
 from .config import ConfigError, load_config
 
 KERNEL = "xpress"
+# The pipeline's notebooks, in the order they run, and what each produces.
+ORDER = {
+    "00_environment": "versions, device, preset; the target answers a chat prompt",
+    "01_data_regeneration": "the target regenerates the training data (data/<preset>/)",
+    "02_refiner_and_theorems": "Proposition 1, Theorem 1, the folded operator, refiner cost",
+    "03_cotraining": "dflash, markov and xpress co-trained; curves and validation tau",
+    "04_speculative_decoding": "losslessness (T = 0 and T > 0) and Table 1 (table1.json)",
+    "05_jacobi_and_latency": "tau versus K (tau_vs_k.json) and latency by stage (latency.json)",
+    "06_batched_decoding": "throughput at several batch sizes (batched.json)",
+    "07_figures": "every figure from results/<preset>/ alone",
+}
 
 
 class NotebookFailed(RuntimeError):
@@ -24,6 +35,22 @@ class NotebookFailed(RuntimeError):
 def notebooks() -> list[Path]:
     """The pipeline's notebooks, in order (``NN_name.ipynb``)."""
     return sorted(p for p in paths.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def notebook_record(times: dict[str, float], runs: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+    """Every notebook of :data:`ORDER` and any other ``NN_*.ipynb`` found, in order: ``{"notebook",
+    "what", "present", "seconds", "git_revision", "date"}`` (None for one that did not run). ``runs``:
+    earlier records by name, kept for notebooks this run did not execute."""
+    names = sorted(set(ORDER) | {nb.stem for nb in notebooks()})
+    found = {nb.stem for nb in notebooks()}
+    out = []
+    for n in names:
+        rec = {"notebook": n, "what": ORDER.get(n, ""), "present": n in found, "seconds": None,
+               "git_revision": None, "date": None, **(runs or {}).get(n, {})}
+        if n in times:
+            rec.update(times[n])
+        out.append(rec)
+    return out
 
 
 def select(only: Sequence[str] = ()) -> list[Path]:
@@ -42,7 +69,7 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
     at the first failure (:class:`NotebookFailed`), and write ``results/<preset>/run.json``."""
     import papermill as pm
 
-    from .utils import atomic_write_json, provenance
+    from .utils import provenance
 
     load_config(preset, list(overrides))  # fail early on a bad preset or key
     books = select(only)
@@ -61,15 +88,35 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
         except pm.PapermillExecutionError as e:
             raise NotebookFailed(f"{nb.name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); the executed "
                                  f"copy with the traceback is {out}") from None
-        times[nb.stem] = round(time.perf_counter() - t0, 1)
-        print(f"[xpress] {nb.name}: {times[nb.stem]:.0f} s", flush=True)
+        seconds = round(time.perf_counter() - t0, 1)
+        prov = provenance(preset)
+        times[nb.stem] = {"seconds": seconds, "git_revision": prov["git_revision"], "date": prov["date"]}
+        print(f"[xpress] {nb.name}: {seconds:.0f} s", flush=True)
         done.append(out)
-    if not only:  # a record of the whole pipeline
-        atomic_write_json(paths.RESULTS / preset / "run.json",
-                          {"preset": preset, "overrides": list(overrides), "notebook_seconds": times,
-                           "total_seconds": round(time.perf_counter() - t_all, 1),
-                           "provenance": provenance(preset, packages=_versions())})
+    write_run_record(preset, overrides, times, None if only else round(time.perf_counter() - t_all, 1))
     return done
+
+
+def write_run_record(preset: str, overrides: Sequence[str], times: dict[str, dict], total: float | None) -> None:
+    """``results/<preset>/run.json``: a whole run replaces it; a partial run (``--only``, ``total`` None)
+    updates the notebooks it executed and keeps the others' earlier records (each names its own git
+    revision and date), so the file always says when every notebook last ran."""
+    import json
+
+    from .utils import atomic_write_json, provenance
+
+    path = paths.RESULTS / preset / "run.json"
+    old = {}
+    if total is None and path.is_file():
+        try:
+            old = {r["notebook"]: r for r in json.loads(path.read_text()).get("notebooks", [])}
+        except (OSError, ValueError, KeyError, TypeError):
+            old = {}
+    record = notebook_record(times, old)
+    atomic_write_json(path, {"preset": preset, "overrides": list(overrides),
+                             "notebook_seconds": {r["notebook"]: r["seconds"] for r in record if r["seconds"] is not None},
+                             "notebooks": record, "total_seconds": total, "partial": total is None,
+                             "provenance": provenance(preset, packages=_versions())})
 
 
 def _versions() -> dict[str, str]:

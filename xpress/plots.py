@@ -1,10 +1,16 @@
 """Figures, drawn from result files: every notebook saves through :func:`save_fig`, PNG and PDF under
-``results/<preset>/figures/`` (so a run of one preset never touches another's figures)."""
+``results/<preset>/figures/`` (so a run of one preset never touches another's figures).
+
+Notebook 07 draws every figure from ``results/<preset>/`` alone, without running a model::
+
+    drawn, missing = draw_all("cpu")     # [Drawn(name, fig, caption)], names whose data is absent
+"""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import paths
 from .utils import atomic_write
@@ -54,3 +60,254 @@ def plot_training(preset: str, stages: Sequence[str], offsets: dict[str, int] | 
         sns.move_legend(axes[-1], "upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
+
+
+# ======================================================================= figures from result files only
+@dataclass
+class Drawn:
+    """A figure drawn from ``results/<preset>/``: its file ``name``, the matplotlib ``fig`` and a
+    ``caption`` saying what it shows and which command made its data."""
+
+    name: str
+    fig: Any
+    caption: str
+
+
+def load_result(preset: str, name: str) -> Any:
+    """``results/<preset>/<name>.json`` parsed, or None when absent."""
+    f = paths.RESULTS / preset / f"{name}.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+RECORD_KEYS = ("summary", "table", "rows", "records", "results", "points", "data")
+
+
+def records(data: Any, keys: Sequence[str] = RECORD_KEYS) -> list[dict]:
+    """The table inside a result file, read defensively (files written by other notebooks): ``data``
+    itself if it is a list of dicts, else the first list of dicts under one of ``keys``, else under any
+    key; [] when there is none."""
+    def table(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(r, dict) for r in v)
+
+    if table(data):
+        return data
+    if not isinstance(data, dict):
+        return []
+    for k in list(keys) + list(data):
+        if table(data.get(k)):
+            return data[k]
+    return []
+
+
+def _first(row_keys: Sequence[str], *candidates: str) -> str | None:
+    return next((c for c in candidates if c in row_keys), None)
+
+
+def draw_training(preset: str) -> Drawn | None:
+    """Training curves (:func:`plot_training`) of every stage with a ``train_<stage>.json``; the methods'
+    steps continue after the warm start."""
+    stages = [s for s in ("warmstart", "dflash", "markov", "xpress") if training_log(preset, s)]
+    if not stages:
+        return None
+    warm = load_result(preset, "train_warmstart")
+    offsets = {s: (warm or {}).get("step", 0) for s in stages if s != "warmstart"}
+    return Drawn("training_curves", plot_training(preset, stages, offsets),
+                 f"Training curves of {', '.join(stages)} against the step (methods continue after the warm start): "
+                 f"L1 distance of the draft distribution to the target's, teacher-forced tau and tau by decoding "
+                 f"validation prompts. Data: train_<stage>.json, from notebook 03 or "
+                 f"`python -m xpress train --preset {preset} --method <method>`.")
+
+
+def plot_table1(result: dict):
+    """Table 1 as bars: tau (top) and speedup over AR (bottom) per benchmark and on average, one panel per
+    temperature, one bar per method (AR left out: 1 by definition, the dashed line). Error bars: sd over
+    seeds for tau at T > 0; the min-max spread over passes for the speedup."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(result["summary"])
+    df = df[df["method"] != "ar"]
+    temps = sorted(df["temperature"].unique())
+    methods = [m for m in result.get("methods", []) if m in set(df["method"])] or sorted(df["method"].unique())
+    benches = [b for b in result.get("benchmarks", []) if b in set(df["bench"])] + ["avg"]
+    colors = dict(zip(methods, sns.color_palette("deep", len(methods))))
+    fig, axes = plt.subplots(2, len(temps), figsize=(6.5 * len(temps), 6.4), squeeze=False)
+    for j, t in enumerate(temps):
+        d = df[df["temperature"] == t]
+        for i, (col, err) in enumerate((("tau", "tau_sd"), ("speedup", None))):
+            ax = axes[i, j]
+            val = d.pivot(index="bench", columns="method", values=col).reindex(index=benches, columns=methods)
+            if err:
+                yerr = d.pivot(index="bench", columns="method", values=err).reindex(index=benches, columns=methods).fillna(0)
+            else:
+                lo = d.pivot(index="bench", columns="method", values="speedup_lo").reindex(index=benches, columns=methods)
+                hi = d.pivot(index="bench", columns="method", values="speedup_hi").reindex(index=benches, columns=methods)
+                yerr = np.array([[(val[m] - lo[m]).clip(lower=0).fillna(0).to_numpy(),
+                                  (hi[m] - val[m]).clip(lower=0).fillna(0).to_numpy()] for m in methods])  # [M, 2, N]
+            val.plot.bar(ax=ax, yerr=yerr, color=[colors[m] for m in methods], capsize=2, rot=0, legend=i == 0 and j == len(temps) - 1)
+            ax.axhline(1.0, ls="--", c="k", lw=1)
+            ax.set_xlabel("")
+            ax.set_title(f"{'tau' if col == 'tau' else 'speedup over AR'}, T = {t:g}")
+    if axes[0, -1].get_legend():
+        sns.move_legend(axes[0, -1], "upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_table1(preset: str) -> Drawn | None:
+    result = load_result(preset, "table1")
+    if not result or not result.get("summary"):
+        return None
+    seeds = result.get("sampling_seeds") or []
+    return Drawn("table1", plot_table1(result),
+                 f"Table 1 on {result.get('target', preset)}: tau (committed tokens per verification) and speedup over "
+                 f"AR per benchmark and on average, batch 1; {result.get('prompts_per_benchmark')} prompts x "
+                 f"{result.get('max_new_tokens')} new tokens per benchmark, {result.get('repeats')} timed passes at "
+                 f"T = 0 (bars: median, whiskers: min-max) and {len(seeds)} seeds at T > 0 (mean, sd over seeds). "
+                 f"Data: table1.json, from {result.get('command', 'notebook 04')}.")
+
+
+def plot_tau_vs_k(rows: Sequence[dict]):
+    """tau against the Jacobi budget K (the average over benchmarks where rows carry ``bench = "avg"``,
+    else one line per benchmark or method); rows without a K (dFlash, the Markov head, the sequential
+    fixed point) become dashed horizontal baselines. None when the rows hold no (K, tau) pairs."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(rows)
+    k = _first(df.columns, "K", "k", "max_iters", "iters", "iterations")
+    tau = _first(df.columns, "tau", "mean_tau", "acceptance_length")
+    if k is None or tau is None or df[k].notna().sum() == 0:
+        return None
+    if "bench" in df.columns and (df["bench"] == "avg").any():
+        df = df[df["bench"] == "avg"]
+    hue = None if "bench" in df.columns and df["bench"].nunique() == 1 else _first(df.columns, "bench", "benchmark", "method")
+    curves = df[df[k].notna()]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    sns.lineplot(data=curves, x=k, y=tau, hue=hue, marker="o", ax=ax, label=None if hue else "xPress, K Jacobi passes")
+    for i, (_, r) in enumerate(df[df[k].isna()].iterrows()):
+        name = " ".join(str(r[c]) for c in ("method", "variant") if c in r and isinstance(r[c], str) and r[c])
+        ax.axhline(r[tau], ls="--", lw=1, c=f"C{i + 1}", label=name or "baseline")
+    ax.set_xlabel("Jacobi iterations K")
+    ax.set_title("tau versus the Jacobi budget K" + (" (average over benchmarks)" if hue is None else ""))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def draw_tau_vs_k(preset: str) -> Drawn | None:
+    data = load_result(preset, "tau_vs_k")
+    fig = plot_tau_vs_k(records(data)) if data else None
+    if fig is None:
+        return None
+    return Drawn("tau_vs_k", fig, "Figure 3 analogue: tau against the number of Jacobi iterations K (dashed: rows "
+                 f"without a K, such as the Markov baseline). Data: tau_vs_k.json, from "
+                 f"{data.get('command', 'notebook 05') if isinstance(data, dict) else 'notebook 05'}.")
+
+
+LATENCY_STAGES = ("draft", "refine", "verify", "bookkeeping")
+
+
+def plot_latency(rows: Sequence[dict]):
+    """Time per stage per method as stacked bars (columns named ``<stage>``, ``<stage>_s`` or
+    ``<stage>_ms``), else one bar per method of the first latency-like column. None when neither exists."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(rows)
+    label = _first(df.columns, "method", "name", "config", "setting")
+    if label is None:
+        return None
+    if label == "method" and "bench" in df.columns:  # one bar per method: the mean over benchmarks
+        df = df.groupby("method", as_index=False, sort=False).mean(numeric_only=True)
+    cols = {s: c for s in LATENCY_STAGES for c in (s, f"{s}_s", f"{s}_ms", f"{s}_ms_per_token") if c in df.columns}
+    sns.set_palette("deep")
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.5 * len(df)))
+    if cols:
+        d = df.set_index(label)[list(cols.values())].rename(columns={v: k for k, v in cols.items()})
+        d.plot.barh(stacked=True, ax=ax)
+        ax.set_xlabel(f"time per round ({'ms' if any('ms' in c for c in cols.values()) else 's'}, as stored)")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        value = next((c for c in df.columns if any(w in c for w in ("latency", "per_token", "ms"))
+                      and pd.api.types.is_numeric_dtype(df[c])), None)
+        if value is None:
+            plt.close(fig)
+            return None
+        df.set_index(label)[value].plot.barh(ax=ax)
+        ax.set_xlabel(value)
+    ax.set_ylabel("")
+    ax.set_title("latency by stage")
+    fig.tight_layout()
+    return fig
+
+
+def draw_latency(preset: str) -> Drawn | None:
+    """Notebook 05's own figure (:func:`xpress.studies.latency.plot_latency`) for its ``shape_sets``
+    layout, else :func:`plot_latency` of whatever table the file holds."""
+    data = load_result(preset, "latency")
+    if isinstance(data, dict) and data.get("shape_sets"):
+        from .studies.latency import plot_latency as plot_sets
+
+        return Drawn("latency", plot_sets(data), "Figure 4 analogue: refinement latency per block against K (median, "
+                     "IQR bars) with the Markov head's serial decode as a dashed line, per shape set. Data: latency.json, "
+                     "from notebook 05.")
+    fig = plot_latency(records(data)) if data else None
+    if fig is None:
+        return None
+    return Drawn("latency", fig, "Table 3 / Figure 4 analogue: decoding time per round split by stage (draft, refine, "
+                 "verify, bookkeeping) as stored in latency.json, from "
+                 f"{data.get('command', 'notebook 05') if isinstance(data, dict) else 'notebook 05'}.")
+
+
+def plot_batched(result: dict):
+    """Throughput (tokens/s) and speedup over AR against the batch size, one line per method."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(result["table"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for ax, col, title in ((axes[0], "tokens_per_s", "throughput (tokens/s)"), (axes[1], "speedup", "speedup over AR")):
+        sns.lineplot(data=df, x="batch_size", y=col, hue="method", marker="o", ax=ax, legend=ax is axes[-1])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(df["batch_size"].unique()), [str(b) for b in sorted(df["batch_size"].unique())])
+        ax.set_title(title)
+    axes[1].axhline(1.0, ls="--", c="k", lw=1)
+    if axes[-1].get_legend():
+        sns.move_legend(axes[-1], "upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_batched(preset: str) -> Drawn | None:
+    result = load_result(preset, "batched")
+    if not result or not result.get("table"):
+        return None
+    return Drawn("batched", plot_batched(result),
+                 f"Table 2 analogue: throughput and speedup over AR at batch sizes {result.get('batch_sizes')}, greedy, "
+                 f"{result.get('n_prompts')} prompts x {result.get('max_new_tokens')} new tokens, the same prompts at "
+                 f"every batch size in one run. Data: batched.json, from {result.get('command', 'notebook 06')}.")
+
+
+DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "tau_vs_k": draw_tau_vs_k,
+           "latency": draw_latency, "batched": draw_batched}
+
+
+def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:
+    """Every figure whose data exists under ``results/<preset>/`` (saved with :func:`save_fig` unless
+    ``save`` is false), and the names of those whose data is missing."""
+    drawn, missing = [], []
+    for name, draw in DRAWERS.items():
+        d = draw(preset)
+        if d is None:
+            missing.append(name)
+            continue
+        if save:
+            save_fig(d.fig, d.name, preset)
+        drawn.append(d)
+    return drawn, missing

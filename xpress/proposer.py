@@ -15,12 +15,14 @@ a released dFlash checkpoint), and for a head ``head.json`` + ``head.safetensors
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from . import paths
-from .drafter import CheckpointNotFoundError, ContextCache, DFlashDraftModel, DrafterMismatchError
+from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
 from .heads import MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, block_noise, corrected_logits, distribution, jacobi_refine, select,
                      sequential_refine)
@@ -29,8 +31,8 @@ from .methods import MODEL_METHODS
 from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
 from .vocab import DraftVocab
 
-__all__ = ["METHODS", "CheckpointNotFoundError", "DrafterMismatchError", "ModelDrafter", "build_drafter",
-           "new_drafter", "save_drafter", "load_drafter"]
+__all__ = ["METHODS", "CheckpointNotFoundError", "CheckpointUnreadableError", "DrafterMismatchError", "ModelDrafter",
+           "build_drafter", "new_drafter", "save_drafter", "load_drafter"]
 
 METHODS = MODEL_METHODS  # the methods this module builds
 HEADS = {"markov": MarkovHead, "xpress": XPressRefiner}
@@ -190,22 +192,70 @@ def check_block_size(net: DFlashDraftModel, cfg, source: str | os.PathLike) -> N
             f"drafter.block_size={have}")
 
 
+class CheckpointUnreadableError(DrafterMismatchError):
+    """A checkpoint folder that cannot be used as asked: a truncated or foreign file, a broken JSON, a
+    checkpoint of another method or preset. The message names the file, the problem and the fix."""
+
+
+def _retrain_hint(folder: Path, cfg, method: str) -> str:
+    return (f"delete the folder {folder} and retrain with `python -m xpress train --preset {cfg.preset} "
+            f"--method {method}`, or pass --checkpoint a folder trained for {method} on this preset")
+
+
+@contextmanager
+def _reading(file: Path, folder: Path, cfg, method: str) -> Iterator[None]:
+    """Turn a failure to read ``file`` of a checkpoint into one :class:`CheckpointUnreadableError` line;
+    a mismatch with the target or the preset keeps its own message, with the fix appended."""
+    try:
+        yield
+    except CheckpointNotFoundError:
+        raise
+    except DrafterMismatchError as e:
+        raise CheckpointUnreadableError(f"{str(e).rstrip('.')}; or {_retrain_hint(folder, cfg, method)}") from None
+    except Exception as e:  # truncated or random bytes, broken JSON, tensors of another shape
+        detail = str(e).splitlines()[0][:200] if str(e) else ""
+        raise CheckpointUnreadableError(f"{file} is unreadable or does not fit this checkpoint "
+                                        f"({e.__class__.__name__}: {detail}); {_retrain_hint(folder, cfg, method)}") from None
+
+
+def _head_method(folder: Path, cfg, method: str) -> str | None:
+    """The method named by the folder's ``head.json`` (None without one); a broken file is an error."""
+    import json
+
+    meta_file = folder / "head.json"
+    if not meta_file.is_file():
+        return None
+    with _reading(meta_file, folder, cfg, method):
+        return json.loads(meta_file.read_text()).get("method")
+
+
 def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: str = "jacobi") -> ModelDrafter:
     """Load a checkpoint folder written by :func:`save_drafter` (or a released dFlash folder for
-    ``dflash``), checked against ``target`` and against ``cfg`` (block size; K = ``cfg.head.max_iters``)."""
+    ``dflash``), checked against ``target`` and against ``cfg`` (block size; K = ``cfg.head.max_iters``).
+    Any file that cannot be read, and a checkpoint of another method, target or preset, raises
+    :class:`CheckpointUnreadableError` naming the file and how to replace it."""
     import json
 
     from safetensors.torch import load_file
 
     _check_method(method)
     folder = paths.resolve(folder)
-    net = DFlashDraftModel.from_pretrained(folder, target=target)
-    check_block_size(net, cfg, folder)
+    saved = _head_method(folder, cfg, method)
+    if saved is not None and saved != method:
+        raise CheckpointUnreadableError(f"{folder} holds a {saved} checkpoint (its head.json), not {method}; pass "
+                                        f"--checkpoint a folder trained for {method}, or train one with `python -m "
+                                        f"xpress train --preset {cfg.preset} --method {method}`")
+    with _reading(folder / "config.json", folder, cfg, method):
+        DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
+    with _reading(folder / "model.safetensors", folder, cfg, method):
+        net = DFlashDraftModel.from_pretrained(folder, target=target)
+        check_block_size(net, cfg, folder)
     vocab_file = folder / "draft_vocab.safetensors"
-    vocab = DraftVocab.load(vocab_file) if vocab_file.is_file() else DraftVocab.full(target.vocab_size)
-    if vocab.target_size != target.vocab_size:
-        raise ValueError(f"{vocab_file}: draft vocabulary of a {vocab.target_size}-token target, "
-                         f"but target {target.name!r} has {target.vocab_size}")
+    with _reading(vocab_file, folder, cfg, method):
+        vocab = DraftVocab.load(vocab_file) if vocab_file.is_file() else DraftVocab.full(target.vocab_size)
+        if vocab.target_size != target.vocab_size:
+            raise DrafterMismatchError(f"{vocab_file}: draft vocabulary of a {vocab.target_size}-token target, "
+                                       f"but target {target.name!r} has {target.vocab_size}.")
     head = None
     if method != "dflash":
         meta_file, weights = folder / "head.json", folder / "head.safetensors"
@@ -213,12 +263,10 @@ def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: st
             raise CheckpointNotFoundError(
                 f"{folder} holds a drafter but no {method} head ({meta_file.name} + {weights.name}); "
                 f"{train_hint(cfg.preset, method)}")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("method") != method:
-            raise ValueError(f"{meta_file}: a {meta.get('method')!r} head, not {method!r}")
-        head = HEADS[method](vocab, **meta["config"])
-        head.load_state_dict(load_file(str(weights)))
-        head = head.to(device=target.device, dtype=net.dtype)
+        with _reading(weights, folder, cfg, method):
+            head = HEADS[method](vocab, **json.loads(meta_file.read_text())["config"])
+            head.load_state_dict(load_file(str(weights)))
+            head = head.to(device=target.device, dtype=net.dtype)
     return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained")
 
 

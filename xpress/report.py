@@ -31,33 +31,175 @@ def _where(prov: dict) -> str:
             f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('date', '?')[:10]}")
 
 
+def _num(x, fmt: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _table1_section(t1: dict) -> list[str]:
+    """Table 1 (``table1.json``): per temperature, tau and speedup per benchmark and on average, xPress's
+    gains with their bootstrap intervals, the paper's averages beside them, flags and warnings."""
+    from .studies.table1 import PAPER_AVG
+
+    cells = {(r["temperature"], r["method"], r["bench"]): r for r in t1["summary"]}
+    benches = list(t1["benchmarks"]) + ["avg"]
+    methods = ["ar"] + [m for m in t1["methods"] if m != "ar"]
+    seeds = t1.get("sampling_seeds") or []
+    out = [f"**Table 1** (`table1.json`, notebook 04 or `python -m xpress.studies.table1 --preset {t1['preset']}`): "
+           f"tau and speedup over AR per benchmark, batch 1, {t1['prompts_per_benchmark']} prompts x "
+           f"{t1['max_new_tokens']} new tokens per benchmark, AR and the methods interleaved per prompt; T = 0: median "
+           f"of {t1['repeats']} timed passes (speedup range in brackets), every output equal to AR's: {t1['lossless_t0']}; "
+           f"T > 0: mean over seeds {seeds} (tau +- sd); drafters {', '.join(f'{m} {w}' for m, w in t1['weights'].items() if m != 'ar')}; "
+           f"{_where(t1['provenance'])}.", ""]
+    flagged = False
+    for t in t1["temperatures"]:
+        out += [f"T = {t:g}:", "", "| method | " + " | ".join(f"{b} tau / speedup" for b in benches) + " |",
+                "|---|" + "---|" * len(benches)]
+        for m in methods:
+            row = []
+            for b in benches:
+                c = cells.get((t, m, b))
+                if c is None:
+                    row.append("-")
+                    continue
+                sd = f" +- {c['tau_sd']:.2f}" if t > 0 and c.get("seeds", 1) > 1 else ""
+                rng = (f" [{c['speedup_lo']:.2f}-{c['speedup_hi']:.2f}]" if t == 0 and c.get("repeats", 1) > 1
+                       and m != "ar" else "")
+                mark = " (!)" if c.get("flag") else ""
+                flagged = flagged or bool(mark)
+                row.append(f"{c['tau']:.2f}{sd} / {c['speedup']:.2f}x{rng}{mark}")
+            out.append(f"| {m} | " + " | ".join(row) + " |")
+        out.append("")
+        gains = {(g["baseline"], g["bench"]): g for g in t1["gains"] if g["temperature"] == t}
+        boot = t1.get("bootstrap_tau_ratio", {})
+        parts = []
+        for base, name in (("dflash", "dFlash"), ("markov", "Markov")):
+            g = gains.get((base, "avg"))
+            if g:
+                ci = boot.get(base, {}).get(str(float(t)), {}).get("avg")
+                ci_s = f" (95% bootstrap interval over prompts {ci['lo']:.2f}-{ci['hi']:.2f})" if ci else ""
+                parts.append(f"tau(xPress) / tau({name}) = {g['tau_ratio']:.2f}{ci_s}, speedup ratio "
+                             f"{g['speedup_ratio']:.2f}")
+        paper = PAPER_AVG.get(float(t))
+        if parts:
+            line = "; ".join(parts) + "."
+            if paper:
+                line += (f" The paper's Table 1 (Qwen3-8B, average of seven benchmarks, T = {t:g}): tau dFlash "
+                         f"{paper['dflash']['tau']:.2f}, Markov {paper['markov']['tau']:.2f}, xPress "
+                         f"{paper['xpress']['tau']:.2f} (xPress / dFlash = {paper['xpress']['tau'] / paper['dflash']['tau']:.2f}); "
+                         f"speedup {paper['dflash']['speedup']:.1f}x, {paper['markov']['speedup']:.1f}x, "
+                         f"{paper['xpress']['speedup']:.1f}x.")
+            out += [line, ""]
+    needed = [r for r in t1.get("prompts_needed", []) if r["kind"] == "paired" and r["method"] == "xpress/dflash"
+              and r["needed"] is not None]
+    if needed:
+        worst = max(needed, key=lambda r: r["needed"])
+        out += [f"Prompts per benchmark for a 5% tau difference between xPress and dFlash to fall outside the spread "
+                f"(paired, from the per-prompt variance): up to {worst['needed']} ({worst['bench']}, T = "
+                f"{worst['temperature']:g}); this run used {t1['prompts_per_benchmark']}.", ""]
+    if flagged:
+        out += ["(!) the speedup contradicts its own tau (above tau, or above tau / verify cost): "
+                "not a result; rerun on an idle machine.", ""]
+    for w in t1.get("warnings", []):
+        out += [f"Warning: {w}", ""]
+    return out
+
+
+def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> list[str]:
+    """The tau at which speculative decoding breaks even on this machine, next to the measured tau."""
+    out = []
+    if ceiling:
+        out.append(f"- verify cost / 1-token step = {ceiling['verify_cost']['loop_ratio']:.2f} "
+                   f"(`oracle_ceiling.json`, timed forwards): the break-even tau of a drafter that costs nothing.")
+    if t1:
+        for c in t1.get("stage_costs", []):
+            if c["temperature"] == 0:
+                out.append(f"- {c['method']}: verify / AR step = {_num(c['verify_ratio'])}, break-even tau with its "
+                           f"drafting = {_num(c['break_even_tau'])} (`table1.json`, its own stage timings at T = 0); "
+                           f"measured tau {c['tau']:.2f}.")
+    if not out:
+        return []
+    return ["**Break-even tau on this machine** (a method is faster than AR once its tau exceeds it):", ""] + out + [""]
+
+
+def _latency_section(lat: dict) -> list[str]:
+    """``latency.json`` (notebook 05) read defensively: its table's columns as stored."""
+    from .plots import records
+
+    if isinstance(lat, dict) and lat.get("shape_sets"):  # notebook 05's layout (xpress.studies.latency)
+        from .studies.latency import latency_rows
+
+        rows = [r for r in latency_rows(lat) if r["component"] == "markov" or r["component"].startswith(
+                ("xpress K=", "target", "drafter forward"))]
+    else:
+        rows = records(lat)
+    if not rows:
+        return []
+    cols = [k for k in rows[0] if isinstance(rows[0][k], (int, float, str)) and not isinstance(rows[0][k], bool)][:8]
+    where = f"; {_where(lat['provenance'])}" if isinstance(lat, dict) and isinstance(lat.get("provenance"), dict) else ""
+    cmd = lat.get("command", "notebook 05") if isinstance(lat, dict) else "notebook 05"
+    out = [f"**Latency** (`latency.json`, {cmd}{where}):", "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(_num(r.get(c), ".4g") if isinstance(r.get(c), float) else str(r.get(c, "-"))
+                                     for c in cols) + " |")
+    return out + [""]
+
+
+def _batched_section(b: dict) -> list[str]:
+    rows = {(r["batch_size"], r["method"]): r for r in b["table"]}
+    methods = list(b["methods"])
+    out = [f"**Batched throughput** (`batched.json`, notebook 06 or `python -m xpress.studies.batched --preset "
+           f"{b['preset']}`): tokens/s (speedup over AR, tau), greedy, the same {b['n_prompts']} prompts x "
+           f"{b['max_new_tokens']} new tokens at every batch size; {_where(b['provenance'])}.", "",
+           "| batch | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for bs in b["batch_sizes"]:
+        cells = []
+        for m in methods:
+            r = rows.get((bs, m))
+            cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x, tau {r['tau']:.2f})")
+        out.append(f"| {bs} | " + " | ".join(cells) + " |")
+    for w in b.get("warnings", []):
+        out += ["", f"Warning: {w}"]
+    return out + [""]
+
+
+def _methods_t0_section(methods: dict) -> list[str]:
+    """The older T = 0 comparison (``methods_t0.json``), shown only until ``table1.json`` replaces it."""
+    rows = {(r["method"], r["bench"]): r for r in methods["summary"]}
+    benches = list(methods["benchmarks"]) + ["avg"]
+    out = [f"Tau by decoding held-out benchmark prompts and speedup over AR, T = 0, batch 1 "
+           f"(`methods_t0.json`, an older measurement that `table1.json` supersedes; {methods['prompts_per_benchmark']} "
+           f"prompts x {methods['max_new_tokens']} new tokens per benchmark, every output equal to greedy decoding: "
+           f"{all(r['lossless'] for r in methods['summary'])}; {_where(methods['provenance'])}):", "",
+           "| method | " + " | ".join(f"{b} tau" for b in benches) + " | speedup (avg) |",
+           "|---|" + "---|" * (len(benches) + 1)]
+    for m in methods["methods"]:
+        taus = " | ".join(f"{rows[(m, b)]['tau']:.2f}" for b in benches)
+        out.append(f"| {m} | {taus} | {rows[(m, 'avg')]['speedup']:.2f}x |")
+    avg = {m: rows[(m, "avg")]["tau"] for m in methods["methods"]}
+    if {"xpress", "dflash"} <= set(avg):
+        out += ["", f"tau(xPress) / tau(dFlash) = {avg['xpress'] / avg['dflash']:.2f} (the paper's Table 1, Qwen3-8B, "
+                    f"T = 0: 8.02 / 6.25 = 1.28)."]
+    return out + [""]
+
+
 def results_markdown(preset: str, folder: Path | None = None) -> str:
     """The README section for ``preset`` from the repository's ``results/<preset>/`` (what exists of it;
     the README describes the committed results, whatever ``$XPRESS_RESULTS`` says)."""
     folder = folder or paths.REPO_ROOT / "results" / preset
     out: list[str] = []
-    methods = _load(folder, "methods_t0.json")
-    if methods:
-        rows = {(r["method"], r["bench"]): r for r in methods["summary"]}
-        benches = list(methods["benchmarks"]) + ["avg"]
-        out += [f"Tau by decoding held-out benchmark prompts and speedup over AR, T = 0, batch 1 "
-                f"(`methods_t0.json`, notebook 03; {methods['prompts_per_benchmark']} prompts x "
-                f"{methods['max_new_tokens']} new tokens per benchmark, every output equal to greedy decoding: "
-                f"{all(r['lossless'] for r in methods['summary'])}; {_where(methods['provenance'])}):", "",
-                "| method | " + " | ".join(f"{b} tau" for b in benches) + " | speedup (avg) |",
-                "|---|" + "---|" * (len(benches) + 1)]
-        for m in methods["methods"]:
-            taus = " | ".join(f"{rows[(m, b)]['tau']:.2f}" for b in benches)
-            out.append(f"| {m} | {taus} | {rows[(m, 'avg')]['speedup']:.2f}x |")
-        ar = rows.get(("ar", "avg"))
-        if ar:
-            out.append(f"| ar | " + " | ".join("1.00" for _ in benches) + f" | 1.00x ({ar['tokens_per_s']:.1f} tokens/s) |")
-        avg = {m: rows[(m, "avg")]["tau"] for m in methods["methods"]}
-        if {"xpress", "dflash", "markov"} <= set(avg):
-            out += ["", f"tau(xPress) / tau(dFlash) = {avg['xpress'] / avg['dflash']:.2f}; "
-                        f"tau(xPress) / tau(Markov) = {avg['xpress'] / avg['markov']:.2f} "
-                        f"(the paper, Qwen3-8B, T = 0: 8.02 / 6.25 = 1.28 and 8.02 / 7.64 = 1.05)."]
-        out.append("")
+    t1 = _load(folder, "table1.json")
+    if t1:
+        out += _table1_section(t1)
+    elif _load(folder, "methods_t0.json"):
+        out += _methods_t0_section(_load(folder, "methods_t0.json"))
+    ceiling = _load(folder, "oracle_ceiling.json")
+    out += _break_even_section(folder, t1, ceiling)
+    lat = _load(folder, "latency.json")
+    if lat:
+        out += _latency_section(lat)
+    batched = _load(folder, "batched.json")
+    if batched:
+        out += _batched_section(batched)
     stages = [s for s in ("warmstart", "dflash", "markov", "xpress") if (folder / f"train_{s}.json").is_file()]
     if stages:
         out += ["Training (`train_<stage>.json`; tau by decoding on held-out regenerated prompts at the end):", "",
@@ -69,16 +211,19 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
             out.append(f"| {s} | {t['method']} | {t['step']} | {t['seconds']:.0f} | {last.get('loss', float('nan')):.3f} | "
                        f"{last.get('tf_tau', float('nan')):.2f} | {'-' if val is None else f'{val:.2f}'} |")
         out.append("")
-    ceiling = _load(folder, "oracle_ceiling.json")
     if ceiling:
         out += [f"Oracle drafter ceiling (`oracle_ceiling.json`, `python -m xpress bench oracle-ceiling --preset {preset}`): "
                 f"AR {ceiling['ar_tokens_per_s']:.1f} tokens/s, oracle {ceiling['oracle_tokens_per_s']:.1f} tokens/s, "
-                f"speedup {ceiling['speedup']:.2f}x at tau {ceiling['tau']:.1f}; a {ceiling['block_size']}-token verify "
+                f"speedup {_num(ceiling.get('speedup'))}x at tau {ceiling['tau']:.1f}; a {ceiling['block_size']}-token verify "
                 f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step ({_where(ceiling['provenance'])}).", ""]
     run = _load(folder, "run.json")
     if run:
         times = ", ".join(f"{k} {v / 60:.1f} min" for k, v in run["notebook_seconds"].items())
-        out += [f"`make reproduce` wall time (`run.json`): {run['total_seconds'] / 60:.1f} min in all; {times}.", ""]
+        if run.get("total_seconds") is not None:
+            out += [f"`make reproduce` wall time (`run.json`): {run['total_seconds'] / 60:.1f} min in all; {times}.", ""]
+        else:  # notebooks last run at different revisions (python -m xpress run --only ...)
+            revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
+            out += [f"Wall time of each notebook's last run (`run.json`, runs at git {', '.join(revs)}): {times}.", ""]
     return "\n".join(out).strip() + "\n"
 
 

@@ -15,17 +15,19 @@ The drafter reads the hidden states of a few target layers (``layer_ids``), spre
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from . import paths
 from .config import Config, TargetConfig
-from .utils import atomic_dir
+from .utils import apply_torch_threads, atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +195,64 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def load_target(cfg: Config) -> Target:
-    """Load the preset's target, in eval mode with gradients off.
+@contextmanager
+def quiet_loading(verbose: bool = False) -> Iterator[None]:
+    """Silence transformers' and the hub's loading chatter (info logs, warnings, progress bars such as the
+    GGUF dequantization bar) inside the block, unless ``verbose``; the previous settings come back after."""
+    if verbose:
+        yield
+        return
+    import warnings
+
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # its dequantization bar is a plain tqdm
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub_bars_off, gguf_tqdm = are_progress_bars_disabled(), gguf_utils.tqdm
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if not hub_bars_off:
+            enable_progress_bars()
+
+
+def _load_cached_gguf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model and tokenizer cached from the GGUF; an unreadable cache is a :class:`TargetError`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # a truncated safetensors file, a broken config.json: one clear line
+        raise TargetError(f"the cached target at {folder} is unreadable ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); delete the folder {folder}: the next "
+                          f"run rebuilds it from the GGUF") from None
+
+
+def load_target(cfg: Config, verbose: bool = False) -> Target:
+    """Load the preset's target, in eval mode with gradients off, after setting torch's threads from
+    ``cfg.torch_threads`` (:func:`xpress.utils.apply_torch_threads`). Loading is quiet unless ``verbose``.
 
     Returns a :class:`Target` holding the model, the tokenizer, ``hidden_size``, ``vocab_size``,
     ``num_layers`` and the ``layer_ids`` the drafter reads (``cfg.drafter.num_target_features`` of them).
     """
+    apply_torch_threads(cfg.torch_threads)
+    with quiet_loading(verbose):
+        return _load_target(cfg)
+
+
+def _load_target(cfg: Config) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tc = cfg.target
@@ -206,8 +260,7 @@ def load_target(cfg: Config) -> Target:
     meta: dict[str, Any] = {"source": tc.source}
     if tc.source == "gguf":
         folder = _ensure_gguf_model(tc.gguf_package)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model, tokenizer = _load_cached_gguf(folder, dtype)
         name = tc.model or tc.gguf_package
         meta.update(gguf=str(locate_gguf(tc.gguf_package)), cache=str(folder),
                     package_version=md.version(tc.gguf_package))

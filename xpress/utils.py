@@ -1,4 +1,4 @@
-"""Small shared utilities: seeding, atomic writes, timing."""
+"""Small shared utilities: seeding, atomic writes, timing, provenance, torch threads and machine load."""
 from __future__ import annotations
 
 import json
@@ -167,6 +167,7 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
         **extra,
     }
 
@@ -196,3 +197,80 @@ class DeferredInterrupt:
 
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+
+
+# ============================================================================ threads and machine load
+_APPLIED_THREADS: int | None = None  # what apply_torch_threads set last in this process
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may run on (psutil's count, capped by the CPU affinity mask)."""
+    logical = os.cpu_count() or 1
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or logical
+    except ImportError:
+        physical = logical
+    return max(1, min(physical, usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (the affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def torch_threads_for(configured: int = 0) -> int:
+    """The torch thread count for a config value: ``configured`` when positive; for 0, ``$OMP_NUM_THREADS``
+    when set (a caller's explicit choice), else the physical cores (a hyper-thread sibling only adds
+    contention to the matrix products)."""
+    if configured > 0:
+        return configured
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return physical_cores()
+
+
+def apply_torch_threads(configured: int = 0) -> int:
+    """Set torch's intra-op threads from the config (``torch_threads``, see :func:`torch_threads_for`) and
+    return the number in effect. The same value is applied once per process: a later call with it leaves
+    alone whatever the caller set since (a test's ``torch.set_num_threads(1)``)."""
+    global _APPLIED_THREADS
+    n = torch_threads_for(configured)
+    if n != _APPLIED_THREADS:
+        torch.set_num_threads(n)
+        _APPLIED_THREADS = n
+    return torch.get_num_threads()
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_check(start: float | None, end: float | None, own_load: float = 0.0,
+               cpus: int | None = None) -> dict[str, Any]:
+    """Was the machine busy around a measurement? ``start`` and ``end``: 1-minute load averages taken
+    before and after it (:func:`load_average`); ``own_load``: what the measurement itself adds to ``end``
+    (its torch threads, for a run of a minute or more). Busy: the load of other work above half the
+    ``cpus`` (default: :func:`usable_cpus`) at either end. Returns the values to store beside the numbers
+    (``load_average_before``, ``load_average_after``, ``busy``, ``load_warning``: a sentence, or None)."""
+    cpus = cpus or usable_cpus()
+    others = [x for x in (start, None if end is None else end - own_load) if x is not None]
+    busy = any(x > cpus / 2 for x in others)
+    warning = None
+    if busy:
+        def show(x: float | None) -> str:
+            return "?" if x is None else f"{x:.2f}"
+
+        warning = (f"the machine was busy during this measurement (1-minute load average {show(start)} before, "
+                   f"{show(end)} after, {own_load:g} of it this run's own, on {cpus} CPUs): the timings are "
+                   f"not trustworthy; rerun on an idle machine")
+    return {"load_average_before": start, "load_average_after": end, "busy": busy, "load_warning": warning}

@@ -1,23 +1,26 @@
-"""Methods compared by decoding held-out benchmark prompts: tau per benchmark and the wall-clock speedup
-over autoregressive decoding, measured in one run on the same prompts.
+"""The one measurement path of the method comparisons: held-out benchmark prompts decoded by AR and by
+each method, interleaved per prompt, with the machine's load recorded.
 
 Acceptance is measured by decoding, never by training accuracy: the trained checkpoints
 (``checkpoints/<preset>/<method>/``) draft for the real target, and tau counts the tokens committed per
 verification (bonus included). Timing is interleaved: for every prompt, AR and then each method run back
-to back, so a slow phase of a shared machine hits every method alike; the load average before and after
-is stored, and every speculative output is checked against AR (lossless at T = 0).
+to back (``repeats`` times), so a slow phase of a shared machine hits every method alike. At T = 0 every
+speculative output is checked against AR's, token for token.
 
-    from xpress.studies.compare import compare_methods
-    result = compare_methods(cfg, target)        # writes results/<preset>/methods_t0.{json,csv}
+Used by :mod:`xpress.studies.table1` (Table 1) and :mod:`xpress.studies.batched` (the batched table)::
+
+    prompts = benchmark_prompts(cfg, target, 4)                  # [{"bench", "id", "ids"}]
+    rows = decode_interleaved(target, {"ar": None, "xpress": d}, prompts, 96)   # one row per decode
 """
 from __future__ import annotations
 
-import os
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
-from .. import paths
 from ..config import Config
+
+AR = "ar"
 
 
 def benchmark_prompts(cfg: Config, target, per_benchmark: int) -> list[dict]:
@@ -33,80 +36,124 @@ def benchmark_prompts(cfg: Config, target, per_benchmark: int) -> list[dict]:
     return out
 
 
-def summarize_rows(rows: Sequence[dict]) -> list[dict]:
-    """Per (method, benchmark) and per method over all benchmarks (``bench = "avg"``: the mean of the
-    per-benchmark values, as the paper averages): tau, tokens/s and the speedup over AR on the same
-    prompts (AR seconds per token / method seconds per token)."""
-    import pandas as pd
+def make_drafters(cfg: Config, target, methods: Sequence[str], untrained_ok: bool = False) -> dict[str, Any]:
+    """``{"ar": None, method: drafter, ...}``, AR first (every other output is checked against it). A
+    missing checkpoint raises (with the command that trains it) unless ``untrained_ok``."""
+    from ..methods import make_drafter
 
-    df = pd.DataFrame(rows)
-    g = df.groupby(["method", "bench"]).agg(tokens=("tokens", "sum"), steps=("steps", "sum"),
-                                            seconds=("seconds", "sum"), prompts=("id", "count"),
-                                            lossless=("lossless", "all")).reset_index()
-    g["tau"] = g["tokens"] / g["steps"]
-    g["tokens_per_s"] = g["tokens"] / g["seconds"]
-    ar = g[g["method"] == "ar"].set_index("bench")["tokens_per_s"]
-    g["speedup"] = g["tokens_per_s"] / g["bench"].map(ar)
-    avg = g.groupby("method").agg(tau=("tau", "mean"), speedup=("speedup", "mean"),
-                                  tokens_per_s=("tokens_per_s", "mean"), tokens=("tokens", "sum"),
-                                  steps=("steps", "sum"), seconds=("seconds", "sum"), prompts=("prompts", "sum"),
-                                  lossless=("lossless", "all")).reset_index()
-    avg["bench"] = "avg"
-    return pd.concat([g, avg], ignore_index=True).to_dict("records")
+    drafters: dict[str, Any] = {AR: None}
+    for m in methods:
+        if m != AR:
+            drafters[m] = make_drafter(m, cfg, target, seed=cfg.seed, untrained_ok=untrained_ok)
+    return drafters
 
 
-def compare_methods(cfg: Config, target, methods: Sequence[str] | None = None, per_benchmark: int | None = None,
-                    max_new_tokens: int | None = None, progress: bool = True, save: bool = True) -> dict[str, Any]:
-    """Decode ``per_benchmark`` prompts of every benchmark with AR and each method (T = 0, batch 1,
-    interleaved per prompt) and return ``{"rows": per prompt and method, "summary": summarize_rows,
-    ...}``; with ``save``, written to ``results/<preset>/methods_t0.{json,csv}`` with provenance."""
-    import pandas as pd
+def weights_of(drafters: Mapping[str, Any]) -> dict[str, str]:
+    """``{method: "none" (AR) | "trained" | "untrained" | "reference"}``."""
+    from ..methods import drafter_weights
+
+    return {m: ("none" if d is None else drafter_weights(d)) for m, d in drafters.items()}
+
+
+# ===================================================================================== machine load
+@dataclass
+class LoadRecord:
+    """The 1-minute load average before and after a measurement (:func:`xpress.utils.load_check`: busy
+    when the load of other work exceeds half the CPUs at either end; ``own_load``, this run's torch
+    threads, is taken off the load at the end)."""
+
+    before: float | None
+    own_load: float
+    check: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls) -> "LoadRecord":
+        import torch
+
+        from ..utils import load_average
+
+        return cls(before=load_average(), own_load=float(torch.get_num_threads()))
+
+    def stop(self, after: float | None = None) -> list[str]:
+        """Take the load at the end; returns (and prints) the warning as a list, [] on a quiet machine."""
+        from ..utils import load_average, load_check
+
+        self.check = load_check(self.before, load_average() if after is None else after, self.own_load)
+        if self.check["load_warning"]:
+            print(f"WARNING: {self.check['load_warning']}")
+        return [self.check["load_warning"]] if self.check["load_warning"] else []
+
+    def provenance(self) -> dict[str, Any]:
+        return dict(self.check)
+
+
+# ======================================================================================= decoding
+def _flat(values: Sequence) -> list:
+    return [i for s in values for i in (s if isinstance(s, list) else [s])]
+
+
+def generation_row(g, seconds: float) -> dict[str, Any]:
+    """The numbers of one :class:`~xpress.decoding.Generation` that the tables use: tokens, target steps
+    (tau = tokens / steps), wall ``seconds`` of the call, seconds per stage summed over its timed steps
+    (AR: ``forward``, ``bookkeeping``; speculative: ``draft``, ``refine``, ``verify``, ``bookkeeping``),
+    ``timed_steps`` (steps with a stage record: AR's first token comes out of the prefill) and the mean
+    Jacobi iterations where the drafter reports them."""
+    stages = g.stage_totals()
+    iters = _flat(g.stats.get("iters", []))
+    return {"tokens": len(g.token_ids), "steps": g.n_steps, "seconds": seconds, "prefill_s": g.prefill_s,
+            **{f"{k}_s": stages.get(k, 0.0) for k in ("forward", "draft", "refine", "verify", "bookkeeping")},
+            "timed_steps": len(next(iter(g.step_times.values()), [])),
+            "mean_iters": sum(iters) / len(iters) if iters else None}
+
+
+def prompt_generator(device, seed: int, index: int):
+    """The generator for prompt ``index`` under ``seed`` (T > 0): every method and every repeat of a
+    prompt starts from the same state, so repeats decode the same tokens and only the clock differs."""
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
+def warm_up(target, drafters: Mapping[str, Any], prompt_ids: Sequence[int], temperature: float = 0.0) -> None:
+    """Decode a few tokens with every method (allocator, kernels) before anything is timed."""
+    from ..decoding import generate_batch
+
+    for d in drafters.values():
+        generate_batch(target, d, [list(prompt_ids)], 4, temperature, prompt_generator(target.device, 0, 0))
+
+
+def decode_interleaved(target, drafters: Mapping[str, Any], prompts: Sequence[dict], max_new_tokens: int,
+                       temperature: float = 0.0, seed: int = 0, repeats: int = 1, progress: bool = True,
+                       desc: str = "decode") -> list[dict]:
+    """Decode every prompt (batch 1) with every method of ``drafters`` (``"ar"``: None, first), in the
+    order prompt -> repeat -> method, so that a slow phase of the machine hits all methods alike.
+
+    Returns one row per (prompt, repeat, method): ``{"temperature", "seed", "repeat", "bench", "id",
+    "method", "lossless", **generation_row}``. ``lossless``: at T = 0 whether the output equals AR's token
+    for token; None at T > 0 (losslessness is then distributional; notebook 04 tests it).
+    """
     from tqdm.auto import tqdm
 
-    from ..decoding import generate_ar, generate_speculative
-    from ..methods import make_drafter
-    from ..utils import atomic_write_json, atomic_write_text, provenance
+    from ..decoding import generate_batch
 
-    methods = list(methods or cfg.eval.methods)
-    per_benchmark = per_benchmark or cfg.eval.prompts_per_benchmark
-    max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
-    drafters = {m: make_drafter(m, cfg, target, seed=cfg.seed) for m in methods}
-    prompts = benchmark_prompts(cfg, target, per_benchmark)
-    load_before = os.getloadavg()
-    generate_ar(target, prompts[0]["ids"], 4)  # warm-up
-    for d in drafters.values():
-        generate_speculative(target, d, prompts[0]["ids"], 4)
-    rows = []
-    bar = tqdm(total=len(prompts) * (1 + len(methods)), desc="compare methods", unit="run", disable=not progress)
-    for p in prompts:
-        t0 = time.perf_counter()
-        ar = generate_ar(target, p["ids"], max_new_tokens)
-        rows.append({"bench": p["bench"], "id": p["id"], "method": "ar", "tokens": len(ar.token_ids),
-                     "steps": len(ar.token_ids), "seconds": time.perf_counter() - t0, "lossless": True})
-        bar.update(1)
-        for m, d in drafters.items():
-            t0 = time.perf_counter()
-            g = generate_speculative(target, d, p["ids"], max_new_tokens)
-            seconds = time.perf_counter() - t0
-            iters = [i for s in g.stats.get("iters", []) for i in (s if isinstance(s, list) else [s])]
-            rows.append({"bench": p["bench"], "id": p["id"], "method": m, "tokens": len(g.token_ids),
-                         "steps": g.n_steps, "seconds": seconds, "lossless": g.token_ids == ar.token_ids,
-                         "mean_iters": sum(iters) / len(iters) if iters else None,
-                         "refine_s": sum(g.step_times.get("refine", [])), "draft_s": sum(g.step_times.get("draft", [])),
-                         "verify_s": sum(g.step_times.get("verify", []))})
-            bar.update(1)
-            bar.set_postfix(bench=p["bench"], method=m, tau=f"{g.tau:.2f}")
+    if next(iter(drafters), None) != AR:
+        raise ValueError(f"drafters must start with {AR!r} (the reference every output is checked against); "
+                         f"got {list(drafters)}")
+    rows: list[dict] = []
+    bar = tqdm(total=len(prompts) * repeats * len(drafters), desc=desc, unit="run", disable=not progress)
+    for i, p in enumerate(prompts):
+        for r in range(repeats):
+            ar_tokens = None
+            for m, d in drafters.items():
+                gen = prompt_generator(target.device, seed, i) if temperature > 0 else None
+                t0 = time.perf_counter()
+                g = generate_batch(target, d, [p["ids"]], max_new_tokens, temperature, gen)[0]
+                seconds = time.perf_counter() - t0
+                ar_tokens = g.token_ids if m == AR else ar_tokens
+                lossless = (g.token_ids == ar_tokens) if temperature == 0 else None
+                rows.append({"temperature": temperature, "seed": seed, "repeat": r, "bench": p["bench"],
+                             "id": p["id"], "method": m, "lossless": lossless, **generation_row(g, seconds)})
+                bar.update(1)
+                bar.set_postfix(bench=p["bench"], method=m, tau=f"{g.tau:.2f}")
     bar.close()
-    summary = summarize_rows(rows)
-    result = {"what": "tau by decoding held-out benchmark prompts and speedup over AR, T=0, batch 1, interleaved",
-              "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
-              "max_iters": cfg.head.max_iters, "benchmarks": list(cfg.data.benchmarks),
-              "prompts_per_benchmark": per_benchmark, "max_new_tokens": max_new_tokens, "methods": methods,
-              "summary": summary, "rows": rows,
-              "provenance": provenance(cfg.preset, load_average_before=load_before,
-                                       load_average_after=os.getloadavg())}
-    if save:
-        out = paths.RESULTS / cfg.preset
-        atomic_write_json(out / "methods_t0.json", result)
-        atomic_write_text(out / "methods_t0.csv", pd.DataFrame(summary).to_csv(index=False))
-    return result
+    return rows

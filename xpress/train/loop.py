@@ -267,6 +267,40 @@ def tau_by_decoding(target, drafter: ModelDrafter, prompts: list[list[int]], max
     return {"tau": tokens / max(1, steps), "tokens": tokens, "steps": steps, "prompts": len(prompts)}
 
 
+@torch.no_grad()
+def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=None) -> dict[str, float]:
+    """Teacher-forced acceptance on the WHOLE validation split (held-out regenerated sequences), with
+    anchors drawn from a fixed generator so every evaluation scores the same blocks: ``tf_tau`` (the head's
+    refined distribution, or the drafter's for ``dflash``), ``tf_tau_base`` (the drafter's) and the number
+    of blocks. A low-noise training signal beside :func:`tau_by_decoding` (tens of thousands of positions
+    instead of a few prompts); it measures generalisation, which the training batches' ``tf_tau`` does not."""
+    rows = data.indices("val")
+    if not rows:
+        return {}
+    was_training = module.training
+    module.eval()
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    device = next(module.parameters()).device
+    P = cfg.drafter.block_size - 1
+    labels, base, final, valid = [], [], [], []
+    for i in range(0, len(rows), cfg.train.batch_size):
+        batch = make_batch(data, rows[i:i + cfg.train.batch_size], cfg, gen, target=target).to(device)
+        out = module(batch, consistency=False)
+        labels.append(module.vocab.to_draft(batch.labels.reshape(-1, P)))
+        valid.append(batch.label_valid.reshape(-1, P))
+        base.append(out["base"].argmax(-1))
+        final.append(out.get("refined", out["base"]).argmax(-1))
+    module.train(was_training)
+    labels, valid = torch.cat(labels), torch.cat(valid)
+    full = valid.all(-1)
+
+    def tau(choice: list[torch.Tensor]) -> float:
+        run = ((torch.cat(choice) == labels) & valid).long().cumprod(-1)
+        return 1.0 + run[full].float().sum(-1).mean().item() if bool(full.any()) else math.nan
+
+    return {"tf_tau": tau(final), "tf_tau_base": tau(base), "blocks": int(full.sum())}
+
+
 # ---------------------------------------------------------------------------------------------- stages
 def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None) -> dict[str, Any]:
     """What makes a stage's result: config sections, data, method, steps and its starting point."""
@@ -313,12 +347,13 @@ def _lr(step: int, steps: int, cfg: Config) -> float:
 
 def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
               init: str | None = None, progress: bool = True, overwrite: bool = False,
-              stop_after: int | None = None, accelerator=None) -> dict[str, Any]:
+              stop_after: int | None = None, accelerator=None, write_log: bool = True) -> dict[str, Any]:
     """Train one stage to ``steps`` steps, resuming its checkpoint; returns the stage summary.
 
     ``init``: a checkpoint folder whose DRAFTER weights start this stage (the head starts fresh), or
     None for a fresh drafter. ``stop_after``: stop (with a checkpoint) once this step is reached, as an
-    interruption would. A complete stage of the same signature is skipped.
+    interruption would. ``write_log``: write ``results/<preset>/train_<stage>.{json,csv}`` (off for
+    probes). A complete stage of the same signature is skipped.
     """
     from tqdm.auto import tqdm
 
@@ -393,11 +428,12 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     def evaluate() -> dict[str, float] | None:
         if not (main and val_prompts):
             return None
+        tf = teacher_forced_val(module, data, cfg, None if data.has_states else target)
         module.eval()
         md = ModelDrafter(module.drafter, module.head, vocab, method, cfg.head.max_iters)
         result = tau_by_decoding(target, md, val_prompts, cfg.train.eval_max_new_tokens)
         module.train()
-        return result
+        return {**result, **{f"val_{k}": v for k, v in tf.items()}}
 
     bar = tqdm(total=steps, initial=start, desc=f"train {stage}", unit="step", disable=not (progress and main),
                dynamic_ncols=True)
@@ -457,7 +493,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
-    if main:
+    if main and write_log:
         out = paths.RESULTS / cfg.preset
         atomic_write_json(out / f"train_{stage}.json", {**summary, "log": log, "signature": signature,
                                                         "provenance": provenance(cfg.preset, world_size=world)})
@@ -477,6 +513,7 @@ def _csv(log: list[dict]) -> str:
         r.update({f"tf_accept_{k + 1}": a for k, a in enumerate(row.get("tf_accept", []))})
         if row.get("val"):
             r["val_tau"] = row["val"]["tau"]
+            r.update({k: v for k, v in row["val"].items() if k.startswith("val_tf")})
         flat.append(r)
     keys = list(dict.fromkeys(k for r in flat for k in r))
     buf = io.StringIO()

@@ -1,0 +1,176 @@
+"""Numbers a reader can trust: torch threads from the config, the busy-machine check, the oracle ceiling
+(interleaved runs, medians with spread, a speedup that contradicts its tau flagged), progress callbacks
+and quiet loading."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import xpress.bench as bench
+import xpress.decoding as decoding
+import xpress.utils as utils
+from xpress.config import ConfigError, load_config
+from xpress.reference_drafters import OracleDrafter
+from xpress.targets import encode_chat
+
+
+# ----------------------------------------------------------------------------------- torch threads
+def test_torch_threads_from_the_config(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert utils.torch_threads_for(3) == 3
+    assert utils.torch_threads_for(0) == utils.physical_cores() <= utils.usable_cpus()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert utils.torch_threads_for(0) == 1 and utils.torch_threads_for(2) == 2
+    assert load_config("smoke").torch_threads == 0
+    assert load_config("smoke", ["torch_threads=2"]).torch_threads == 2
+    with pytest.raises(ConfigError, match="torch_threads"):
+        load_config("smoke", ["torch_threads=-1"])
+
+
+def test_threads_are_applied_once(monkeypatch):
+    n = torch.get_num_threads()
+    monkeypatch.setattr(utils, "_APPLIED_THREADS", None)
+    try:
+        assert utils.apply_torch_threads(2) == 2
+        torch.set_num_threads(1)  # what a caller (a test fixture) sets afterwards is left alone ...
+        assert utils.apply_torch_threads(2) == 1
+        assert utils.apply_torch_threads(3) == 3  # ... unless the config asks for another number
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_provenance_records_threads_and_load():
+    prov = utils.provenance("smoke", **utils.load_check(0.1, 0.2))
+    assert prov["torch_threads"] == torch.get_num_threads() == prov["machine"]["torch_threads"]
+    assert prov["busy"] is False and prov["load_warning"] is None and prov["load_average_after"] == 0.2
+
+
+def test_load_check_by_hand():
+    idle = utils.load_check(0.5, 2.4, own_load=2, cpus=2)  # the measurement's own 2 threads are not "busy"
+    assert not idle["busy"] and idle["load_warning"] is None
+    before = utils.load_check(1.5, 0.2, cpus=2)
+    after = utils.load_check(0.2, 3.5, own_load=2, cpus=2)
+    assert before["busy"] and after["busy"] and "busy" in after["load_warning"] and "3.50" in after["load_warning"]
+    assert not utils.load_check(None, None)["busy"]  # no load average on this platform: no claim
+
+
+# ------------------------------------------------------------------------------------ oracle ceiling
+def test_speedup_flag_by_hand():
+    assert bench.speedup_flag(7.9, tau=16.0, verify_ratio=1.8) is None  # below 16 / 1.8 = 8.9
+    assert "exceeds tau / verify-cost ratio" in bench.speedup_flag(11.0, tau=16.0, verify_ratio=1.8)
+    assert "exceeds tau 2.00" in bench.speedup_flag(3.0, tau=2.0, verify_ratio=0.5)
+    assert bench.speedup_flag(1.1, tau=1.0, verify_ratio=1.0) is None  # within the tolerance
+
+
+def test_spread_by_hand():
+    s = bench.spread([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
+    assert s["q1"] == pytest.approx(1.75) and s["q3"] == pytest.approx(4.75)
+    assert bench.spread([5.0]) == {"median": 5.0, "q1": 5.0, "q3": 5.0, "min": 5.0, "max": 5.0, "n": 1}
+
+
+def small_ceiling(tmp_path, **kw):
+    return bench.oracle_ceiling("smoke", n_prompts=2, max_new_tokens=8, repeats=2, out_dir=tmp_path,
+                                verify_repeats=2, **kw)
+
+
+def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
+    order = []
+    real = decoding.generate_batch
+
+    def recorded(target, drafter, prompts, *a, **k):
+        order.append(("ar" if drafter is None else "oracle", tuple(prompts[0])))
+        return real(target, drafter, prompts, *a, **k)
+
+    monkeypatch.setattr(decoding, "generate_batch", recorded)
+    result = small_ceiling(tmp_path)
+    methods = [m for m, _ in order]
+    assert methods == ["ar", "oracle"] * 4  # 2 repeats x 2 prompts, each prompt AR then oracle
+    assert [p for _, p in order[0::2]] == [p for _, p in order[1::2]]  # the same prompt back to back
+    saved = json.loads((tmp_path / "oracle_ceiling.json").read_text())
+    assert saved["lossless"] and saved["tau"] > 1 and saved["repeats"] == 2
+    for key in ("ar_tokens_per_s", "oracle_tokens_per_s", "speedup"):
+        s = saved["spread"][key]
+        assert s["n"] == 2 and s["min"] <= s["median"] <= s["max"]
+    assert saved["speedup_measured"] == saved["spread"]["speedup"]["median"]
+    assert saved["speedup"] in (None, saved["speedup_measured"]) and (saved["speedup"] is None) == bool(saved["flag"])
+    assert saved["oracle_prepare_s"] > 0 and saved["oracle_stage_seconds_last_repeat"]["draft_s"] < saved["oracle_prepare_s"]
+    prov = saved["provenance"]
+    assert prov["torch_threads"] >= 1 and {"load_average_before", "busy", "load_warning"} <= set(prov)
+    assert (tmp_path / "oracle_ceiling.csv").read_text().count("\n") == 1 + 2 * 2
+    assert result["flag"] == saved["flag"]
+
+
+def test_a_speedup_above_its_ceiling_is_flagged_not_reported(tmp_path, monkeypatch):
+    """With a (faked) verify that costs 100 one-token steps, tau / ratio is far below any measured speedup."""
+    real = bench.verify_cost_ratio
+    monkeypatch.setattr(bench, "verify_cost_ratio", lambda *a, **k: {**real(*a, **k), "loop_ratio": 100.0})
+    result = small_ceiling(tmp_path)
+    assert result["speedup"] is None and result["speedup_measured"] > 0
+    assert "exceeds tau / verify-cost ratio" in result["flag"]
+    assert json.loads((tmp_path / "oracle_ceiling.json").read_text())["flag"] == result["flag"]
+
+
+def test_bench_cli_prints_the_flag(tmp_path, monkeypatch, capsys):
+    from xpress.__main__ import main
+
+    monkeypatch.setattr(bench, "speedup_flag", lambda *a, **k: "speedup 9x exceeds tau 8x")
+    assert main(["bench", "oracle-ceiling", "--preset", "smoke", "--n-prompts", "1", "--max-new-tokens", "4",
+                 "--repeats", "1", "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out)
+    assert printed["speedup"] is None and printed["flag"] == "speedup 9x exceeds tau 8x"
+    assert "warning: speedup 9x exceeds tau 8x" in err
+
+
+# ------------------------------------------------------------------------------ progress, quiet load
+@pytest.mark.parametrize("method", ["ar", "oracle"])
+def test_on_round_counts_every_token_and_step(method, cfg, target):
+    prompts = [encode_chat(target.tokenizer, [q]) for q in ("Name a colour.", "What is 2 + 3?", "Hi")]
+    drafter = None if method == "ar" else OracleDrafter(target, cfg)
+    rounds = []
+    gens = decoding.generate_batch(target, drafter, prompts, 11, on_round=lambda t, s: rounds.append((t, s)))
+    assert sum(t for t, _ in rounds) == sum(len(g.token_ids) for g in gens)
+    assert sum(s for _, s in rounds) == sum(g.n_steps for g in gens)
+    assert len(rounds) == max(g.n_steps for g in gens)  # one call per target step
+
+
+def test_decode_progress_postfix(capsys):
+    bar = bench.DecodeProgress(total=2, interval=0.0)
+    bar.round(9, 2)
+    bar.round(3, 2)
+    assert bar.postfix().startswith("12 tok, ") and bar.postfix().endswith("tau 3.00")
+    bar.prompt_done()
+    assert bar.bar.n == 1
+    bar.close()
+    assert "tau 3.00" in capsys.readouterr().err
+
+
+def test_loading_is_quiet_and_settings_come_back(caplog):
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from xpress.targets import quiet_loading
+
+    level, gguf_bar = hf_logging.get_verbosity(), gguf_utils.tqdm
+    log = hf_logging.get_logger("transformers.modeling_utils")
+    with quiet_loading():
+        log.warning("loading chatter")
+        assert not hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is not gguf_bar
+    assert hf_logging.get_verbosity() == level and hf_logging.is_progress_bar_enabled()
+    assert gguf_utils.tqdm is gguf_bar
+    with quiet_loading(verbose=True):
+        log.warning("wanted")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "wanted" in messages and "loading chatter" not in messages
+
+
+def test_unreadable_cached_target_is_a_clear_error(tmp_path):
+    from xpress.targets import TargetError, _load_cached_gguf
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(TargetError, match=f"delete the folder {tmp_path}"):
+        _load_cached_gguf(tmp_path, torch.float32)

@@ -1,0 +1,110 @@
+"""The latency study (Table 3 / Figure 4), the GPU latency script on the CPU, and the tau-vs-K replay."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xpress import paths
+from xpress.studies.latency import (TINY, LatencyConfig, build_block, count_work, dense_rollout, latency_rows,
+                                    refine_xpress, run_latency, time_call)
+from xpress.studies.tau_k import acceptance, all_blocks, follow_rounds, prepare_replay, replay_method
+
+
+def test_time_call_reports_median_and_spread():
+    calls = []
+    t = time_call(lambda: calls.append(1), repeats=5, warmup=2, device="cpu")
+    assert len(calls) == 7 and t["repeats"] == 5
+    assert t["q1_ms"] <= t["median_ms"] <= t["q3_ms"] and t["iqr_ms"] == pytest.approx(t["q3_ms"] - t["q1_ms"])
+
+
+@pytest.mark.parametrize("bad", [dict(repeats=1), dict(ks=(0, 1)), dict(dtype="int8")])
+def test_latency_config_rejects_bad_input(bad):
+    with pytest.raises(ValueError):
+        LatencyConfig(**bad)
+
+
+def test_worst_case_block_runs_k_passes_and_theorem1_positions():
+    lc = LatencyConfig(repeats=2)
+    block = build_block(TINY, lc)
+    p = TINY.positions
+    seed = torch.randint(0, block.vocab.size, (1, p), generator=torch.Generator().manual_seed(1))
+    for k in (1, 3, p):
+        w = count_work(block, k, seed)
+        assert w["passes"] == k or (k == p and w["passes"] >= p - 1)  # every pass changes the block
+        assert w["positions"] <= sum(p - t for t in range(k))  # pass t+1 recomputes at most P - t positions
+        assert w["positions"] < k * p or k == 1
+        dense = count_work(block, k, seed, incremental=False)
+        assert dense["positions"] == dense["passes"] * p
+    with torch.no_grad():
+        assert torch.equal(dense_rollout(block, 3, seed), refine_xpress(block, 3, seed).tokens)
+
+
+def test_run_latency_writes_results_with_provenance(tmp_path):
+    lc = LatencyConfig(ks=(1, 2, 4), repeats=3, warmup=1, target=True)
+    result = run_latency("smoke", ["tiny"], lc, out_dir=tmp_path, progress=False)
+    s = result["shape_sets"]["tiny"]
+    assert {"markov", "drafter forward", "base readout", "xpress K=4", "xpress adaptive",
+            "target step (1 token)", f"target verify ({TINY.block_size} tokens)"} <= set(s["timings"])
+    assert s["ratios"]["markov"] == 1.0 and s["checks"]["incremental equals dense (K=4 tokens)"]
+    assert 0 < s["composition"]["xpress K=4"]["draft_share"] < 1
+    saved = json.loads((tmp_path / "latency.json").read_text())
+    assert "load_average_after" in saved["provenance"] and saved["provenance"]["torch_threads"] >= 1
+    assert (tmp_path / "latency.csv").read_text().splitlines()[0].startswith("shapes,component,K,median_ms")
+    assert len(latency_rows(saved)) == len(s["timings"])
+    with pytest.raises(ValueError, match="shape set"):
+        run_latency("smoke", ["nosuch"], lc, save=False)
+
+
+def test_gpu_script_runs_on_cpu_with_only_torch_and_transformers(tmp_path):
+    """The script's code path at tiny shapes, and it imports nothing beyond torch/transformers' world."""
+    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_latency; "
+            f"rc = gpu_latency.main(['--device', 'cpu', '--shapes', 'tiny', '--repeats', '2', '--max-k', '2', "
+            f"'--out-dir', {str(tmp_path)!r}]); "
+            "heavy = {'pandas', 'seaborn', 'matplotlib', 'datasets', 'papermill'} & set(sys.modules); "
+            "assert not heavy, heavy; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=paths.REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = json.loads((tmp_path / "latency.json").read_text())
+    assert saved["provenance"]["preset"] == "h200" and "xpress K=2" in saved["shape_sets"]["tiny"]["timings"]
+
+
+def test_cli_latency_rejects_unknown_shapes():
+    from xpress.__main__ import main
+
+    assert main(["latency", "--shapes", "nosuch", "--repeats", "2"]) == 2
+
+
+# ------------------------------------------------------------------------------------ tau vs K
+def test_acceptance_and_rounds_by_hand():
+    class R:
+        ids = [5, 6, 1, 2, 3, 4]
+    starts = torch.tensor([1, 2])
+    drafts = torch.tensor([[1, 2, 9], [2, 3, 4]])  # start 1: g = 1 2 3 -> 2 accepted; start 2: all 3
+    assert acceptance(drafts, R, starts).tolist() == [2, 3]
+    assert follow_rounds([2, 0, 0, 1, 0, 0], 6) == [0, 3, 5]  # commits 3, 2, then 1 (cut at the end)
+    assert follow_rounds([0] * 4, 4) == [0, 1, 2, 3]
+
+
+def test_replayed_tau_equals_decoding(cfg, target):
+    """The offline replay gives the tau (and the passes per round) that the decoding engine measures."""
+    from xpress.decoding import generate_batch
+    from xpress.methods import make_drafter
+    from xpress.studies.compare import benchmark_prompts
+
+    prompts = benchmark_prompts(cfg, target, 1)
+    for method, ks in (("dflash", [None]), ("markov", [None]), ("xpress", [1, 2, cfg.drafter.block_size - 1])):
+        drafter = make_drafter(method, cfg, target, seed=cfg.seed, untrained_ok=True)
+        for pr in prompts:
+            replay = prepare_replay(target, pr["ids"], 24)
+            blocks = all_blocks(drafter, replay)
+            for k in ks:
+                sim = replay_method(drafter, replay, blocks, k)
+                drafter.max_iters = k or cfg.head.max_iters
+                gen = generate_batch(target, drafter, [pr["ids"]], 24)[0]
+                drafter.max_iters = cfg.head.max_iters
+                assert gen.token_ids == replay.ids[replay.prompt_len:]
+                assert (sim["steps"], sim["tau"]) == (gen.n_steps, gen.tau), (method, k, pr["id"])
+                if method == "xpress":
+                    assert sim["passes"] == gen.stats["iters"]

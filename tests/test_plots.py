@@ -1,0 +1,96 @@
+"""Figures from result files alone (xpress.plots), on tiny synthetic results."""
+import json
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from xpress import paths  # noqa: E402
+from xpress.plots import draw_all, plot_latency, plot_tau_vs_k, records  # noqa: E402
+from xpress.studies.table1 import table1_from_rows  # noqa: E402
+
+from test_table1 import two_benchmarks  # noqa: E402
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "RESULTS", tmp_path)
+    (tmp_path / "p").mkdir()
+    return tmp_path / "p"
+
+
+def write(folder, name, obj):
+    (folder / f"{name}.json").write_text(json.dumps(obj))
+
+
+def table1_file(folder):
+    rows = two_benchmarks() + [dict(r, temperature=1.0, seed=s, repeat=0, lossless=None)
+                               for s in (0, 1) for r in two_benchmarks() if r["repeat"] == 0]
+    write(folder, "table1", {"methods": ["dflash", "xpress"], "benchmarks": ["a", "b"], "sampling_seeds": [0, 1],
+                             "command": "cmd", **table1_from_rows(rows, n_boot=20)})
+
+
+def test_no_results_no_figures(results):
+    drawn, missing = draw_all("p")
+    assert drawn == [] and set(missing) == {"training_curves", "table1", "tau_vs_k", "latency", "batched"}
+
+
+def test_every_figure_from_synthetic_files(results):
+    table1_file(results)
+    write(results, "batched", {"batch_sizes": [1, 4], "table": [
+        {"batch_size": b, "method": m, "tokens_per_s": v, "speedup": v / (10 * b)}
+        for b in (1, 4) for m, v in (("ar", 10 * b), ("xpress", 8 * b))]})
+    write(results, "tau_vs_k", {"rows": [{"K": k, "bench": "a", "tau": 1 + k / 4} for k in (1, 2, 4)]
+                                + [{"method": "markov", "bench": "a", "tau": 1.6}]})
+    write(results, "latency", {"table": [{"method": m, "draft_s": 0.01, "refine_s": 0.002, "verify_s": 0.05,
+                                          "bookkeeping_s": 0.001} for m in ("dflash", "xpress")]})
+    write(results, "train_xpress", {"log": [{"step": s, "refined_l1": 1.0 / (s + 1), "tf_tau": 1 + s / 10}
+                                            for s in (0, 10, 20)]})
+    drawn, missing = draw_all("p")
+    assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "tau_vs_k", "latency", "batched"]
+    assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
+    for d in drawn:
+        assert (results / "figures" / f"{d.name}.png").stat().st_size > 0
+        assert (results / "figures" / f"{d.name}.pdf").is_file()
+
+
+def test_unreadable_shapes_are_skipped_not_guessed(results):
+    assert records({"what": "x", "n": 3}) == [] and records([{"a": 1}]) == [{"a": 1}]
+    assert records({"meta": [1, 2], "other": [{"k": 1}]}) == [{"k": 1}]
+    assert plot_tau_vs_k([{"method": "x", "speed": 2.0}]) is None
+    assert plot_latency([{"bench": "a", "other": 1.0}]) is None
+    write(results, "latency", {"note": "no table"})
+    assert "latency" in draw_all("p", save=False)[1]
+
+
+def test_tau_vs_k_in_notebook_05s_layout(results):
+    summary = ([{"method": "xpress", "variant": f"K={k}", "K": k, "bench": b, "tau": 1 + k / 8}
+                for k in (1, 2, 3) for b in ("a", "avg")]
+               + [{"method": m, "variant": v, "K": None, "bench": "avg", "tau": t}
+                  for m, v, t in (("dflash", "", 1.2), ("markov", "", 1.4), ("xpress", "sequential", 1.5))])
+    fig = plot_tau_vs_k(summary)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert {"dflash", "markov", "xpress sequential"} <= set(labels)
+    assert len(fig.axes[0].lines) == 4      # one curve (the average) + three baselines
+
+
+def test_report_shows_table1_batched_and_break_even(results):
+    from xpress.report import results_markdown
+
+    table1_file(results)
+    t1 = json.loads((results / "table1.json").read_text())
+    t1.update(preset="p", prompts_per_benchmark=1, max_new_tokens=8, repeats=2, temperatures=[0.0, 1.0],
+              weights={"ar": "none", "dflash": "trained", "xpress": "trained"}, warnings=["busy"],
+              provenance={"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "abc", "date": "2026"})
+    write(results, "table1", t1)
+    write(results, "batched", {"preset": "p", "methods": ["ar", "xpress"], "batch_sizes": [1, 4], "n_prompts": 4,
+                               "max_new_tokens": 8, "provenance": {}, "table": [
+                                   {"batch_size": b, "method": m, "tokens_per_s": 10.0 * b, "speedup": 1.0, "tau": 1.0}
+                                   for b in (1, 4) for m in ("ar", "xpress")]})
+    text = results_markdown("p", results)
+    assert "**Table 1**" in text and "T = 1:" in text and "(!)" in text          # the flagged xpress cell
+    assert "The paper's Table 1 (Qwen3-8B" in text and "8.02" in text and "6.25" in text
+    assert "tau(xPress) / tau(dFlash) = 1.62" in text                             # 3.25 / 2.0, by hand
+    assert "**Break-even tau on this machine**" in text and "Warning: busy" in text
+    assert "| 4 | 40.0 (1.00x, tau 1.00) | 40.0 (1.00x, tau 1.00) |" in text

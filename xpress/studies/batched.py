@@ -1,0 +1,144 @@
+"""The batched table (the paper's Table 2 analogue): throughput (tokens/s) of AR, dFlash and xPress at
+several batch sizes (``eval.batch_sizes``), greedy, on the same prompts in one run.
+
+The prompts (``eval.batched_prompts``, taken round-robin over ``cfg.data.benchmarks`` so every batch
+mixes them) are decoded in consecutive groups of ``b``; for each group AR and every method run back to
+back (interleaved, as in Table 1). Throughput = tokens / wall seconds summed over the groups: the rows of
+one batched call overlap in time, so they are timed by the call's wall clock, never by summing rows.
+Batched rows decode as they would alone only up to floating-point reduction order (padding changes the
+shapes), so the share of outputs equal to AR at batch 1 is recorded, not asserted.
+
+    python -m xpress.studies.batched --preset cpu     # writes results/<preset>/batched.{json,csv}
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any, Sequence
+
+from .. import paths
+from ..config import Config
+from .compare import AR, LoadRecord, benchmark_prompts, make_drafters, warm_up, weights_of
+from .table1 import _provenance, write_table
+
+
+def round_robin(prompts: Sequence[dict]) -> list[dict]:
+    """Prompts grouped by benchmark (as :func:`benchmark_prompts` returns them) -> interleaved: the first
+    of each benchmark, then the second of each, ..."""
+    by_bench: dict[str, list[dict]] = {}
+    for p in prompts:
+        by_bench.setdefault(p["bench"], []).append(p)
+    out = []
+    for i in range(max((len(v) for v in by_bench.values()), default=0)):
+        out += [v[i] for v in by_bench.values() if i < len(v)]
+    return out
+
+
+def batched_prompts(cfg: Config, target, n: int) -> list[dict]:
+    """``n`` benchmark prompts, round-robin over ``cfg.data.benchmarks``."""
+    per = math.ceil(n / len(cfg.data.benchmarks))
+    prompts = round_robin(benchmark_prompts(cfg, target, per))[:n]
+    if len(prompts) < n:
+        raise ValueError(f"only {len(prompts)} benchmark prompts available, eval.batched_prompts={n}")
+    return prompts
+
+
+def throughput_table(runs: Sequence[dict]) -> list[dict]:
+    """``runs``: one entry per (batch_size, method, group) with tokens, steps, seconds (wall clock of the
+    call), sequences and ``same_as_ar_b1`` (rows equal to AR at batch 1). Returns one row per (batch_size,
+    method): tokens, steps, tau, seconds, tokens_per_s, speedup over AR at the same batch size, and the
+    share of outputs equal to AR at batch 1."""
+    import pandas as pd
+
+    df = pd.DataFrame(runs)
+    g = df.groupby(["batch_size", "method"], as_index=False, sort=False).agg(
+        sequences=("sequences", "sum"), tokens=("tokens", "sum"), steps=("steps", "sum"),
+        seconds=("seconds", "sum"), same=("same_as_ar_b1", "sum"))
+    g["tau"] = g["tokens"] / g["steps"]
+    g["tokens_per_s"] = g["tokens"] / g["seconds"]
+    ar = g[g["method"] == AR].set_index("batch_size")["tokens_per_s"]
+    g["speedup"] = g["tokens_per_s"] / g["batch_size"].map(ar)
+    g["same_as_ar_b1"] = g["same"] / g["sequences"]
+    return g.drop(columns="same").to_dict("records")
+
+
+def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch_sizes: Sequence[int] | None = None,
+                n_prompts: int | None = None, max_new_tokens: int | None = None, untrained_ok: bool = False,
+                progress: bool = True, save: bool = True) -> dict[str, Any]:
+    """Measure the batched table (defaults from ``cfg.eval``); with ``save``, write
+    ``results/<preset>/batched.{json,csv}`` atomically with provenance. Returns the JSON payload."""
+    from tqdm.auto import tqdm
+
+    from ..decoding import generate_batch
+
+    e = cfg.eval
+    batch_sizes = sorted(set(batch_sizes or e.batch_sizes))
+    n_prompts = n_prompts or max(e.batched_prompts, max(batch_sizes))
+    max_new_tokens = max_new_tokens or e.batched_max_new_tokens
+    load = LoadRecord.start()
+    drafters = make_drafters(cfg, target, list(methods or e.batched_methods), untrained_ok)
+    prompts = batched_prompts(cfg, target, n_prompts)
+    warm_up(target, drafters, prompts[0]["ids"])
+    ids = [p["ids"] for p in prompts]
+    runs, reference = [], None
+    bar = tqdm(total=sum(math.ceil(n_prompts / b) for b in batch_sizes) * len(drafters), desc="batched",
+               unit="call", disable=not progress)
+    for b in batch_sizes:
+        outputs: dict[str, list] = {m: [] for m in drafters}
+        for start in range(0, n_prompts, b):
+            for m, d in drafters.items():
+                t0 = time.perf_counter()
+                gens = generate_batch(target, d, ids[start:start + b], max_new_tokens)
+                seconds = time.perf_counter() - t0
+                outputs[m] += [g.token_ids for g in gens]
+                runs.append({"batch_size": b, "method": m, "start": start, "sequences": len(gens),
+                             "tokens": sum(len(g.token_ids) for g in gens), "steps": sum(g.n_steps for g in gens),
+                             "seconds": seconds})
+                bar.update(1)
+                bar.set_postfix(batch=b, method=m)
+        reference = reference or outputs[AR]  # AR at the smallest batch size (batch 1 when measured)
+        for r in runs:
+            if r["batch_size"] == b:
+                out = outputs[r["method"]][r["start"]:r["start"] + r["sequences"]]
+                r["same_as_ar_b1"] = sum(o == ref for o, ref in zip(out, reference[r["start"]:]))
+    bar.close()
+    warnings = load.stop()
+    table = throughput_table(runs)
+    result = {"what": "throughput at several batch sizes, greedy, same prompts, one run (Table 2 analogue)",
+              "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
+              "methods": list(drafters), "weights": weights_of(drafters), "batch_sizes": batch_sizes,
+              "n_prompts": n_prompts, "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": max_new_tokens,
+              "temperature": 0.0, "reference_batch_size": batch_sizes[0], "table": table, "runs": runs,
+              "warnings": warnings, "command": f"python -m xpress.studies.batched --preset {cfg.preset}  (or notebook 06)",
+              "provenance": _provenance(cfg, load)}
+    if save:
+        write_table(cfg.preset, "batched", result, table)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xpress.studies.batched", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value (eval.batch_sizes=1,4, ...)")
+    args = parser.parse_args(argv)
+    from ..config import load_config
+    from ..targets import load_target
+    from ..utils import seed_everything
+
+    cfg = load_config(args.preset, args.overrides)
+    seed_everything(cfg.seed)
+    result = run_batched(cfg, load_target(cfg), untrained_ok=cfg.target.source == "random",
+                         progress=not args.no_progress)
+    for r in result["table"]:
+        print(f"batch {r['batch_size']:>3} {r['method']:>7}: {r['tokens_per_s']:.1f} tokens/s, "
+              f"{r['speedup']:.2f}x AR, tau {r['tau']:.2f}")
+    print(f"wrote {paths.RESULTS / cfg.preset / 'batched.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

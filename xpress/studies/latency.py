@@ -1,0 +1,555 @@
+"""Latency per block at batch 1 (the paper's Table 3 and Figure 4): the refiner at K = 1..8 and adaptive,
+the Markov head's B-1 serial steps, the drafter forward, the base readout and, when a target is given,
+the target's 1-token decoding step and B-token verification, measured in one process as ratios.
+
+Two shape sets (:class:`Shapes`): the preset's (the drafter, heads and draft vocabulary of
+``configs/<preset>.yaml`` on the preset's target architecture) and the paper's (Qwen3-8B: hidden 4096, 36
+layers, the full 151936-token readout; the 5-layer dFlash drafter; r = 256, B = 16). Every module has
+random weights: latency does not depend on their values, except through how many Jacobi passes a block
+takes, which is reported beside each time (``passes``, ``positions``: readout rows computed).
+
+Refiner timings. The random refiner is made the slowest case for Jacobi refinement (:func:`worst_case_`:
+each pass fixes exactly one more position and changes all later ones). ``xpress K=k`` runs
+:func:`xpress.jacobi.jacobi_refine` with ``max_iters = k`` from a random seed block, so k passes are run
+and pass t recomputes P - t + 1 positions: the worst-case cost of K (a trained refiner converges sooner,
+and the incremental passes then recompute fewer positions); ``xpress adaptive`` starts from the drafter's
+own argmax, as decoding does, with ``max_iters = P`` (here ~P passes: a bound, not a typical block;
+notebook 05 weighs the K timings by the passes a trained refiner actually used); ``xpress dense K=4`` recomputes every position of
+every pass (the algorithm as written, before the incremental passes). All include folding the refiner
+for the block. ``markov`` is :func:`xpress.jacobi.sequential_refine` with the Markov head: P dependent
+steps. On CUDA, ``graph`` variants replay a captured CUDA graph of a fixed-K dense rollout and of the
+Markov decode (no host synchronisation inside), with the pass optionally compiled by ``torch.compile``.
+
+    from xpress.studies.latency import run_latency
+    result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
+
+Nothing here imports pandas, seaborn or the data packages at module level: ``scripts/gpu_latency.py``
+runs it on a machine with only torch and transformers.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import paths
+from ..drafter import DFlashConfig, DFlashDraftModel
+from ..heads import MarkovHead, XPressRefiner, randomize_
+from ..jacobi import corrected_logits, jacobi_refine, prev_tokens, select, sequential_refine
+from ..utils import atomic_write_json, atomic_write_text, now, provenance
+from ..vocab import DraftVocab
+
+SHAPE_SETS = ("preset", "paper", "tiny")
+
+
+@dataclass
+class Shapes:
+    """What sets the cost of one block: the heads' readout vocabulary ``vocab`` (the draft vocabulary, or
+    the full target vocabulary), the drafter (``hidden``, ``drafter_layers``, attention and MLP sizes,
+    ``target_features`` target layers read), the heads (``rank``, ``markov_rank``), ``block_size`` B,
+    ``context`` tokens before the block, and the target (``target_layers``, ``target_vocab``,
+    ``target_intermediate``)."""
+
+    name: str
+    vocab: int
+    hidden: int
+    block_size: int
+    rank: int
+    markov_rank: int
+    drafter_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    target_layers: int
+    target_features: int
+    target_vocab: int
+    target_intermediate: int
+    context: int = 512
+
+    @property
+    def positions(self) -> int:
+        return self.block_size - 1
+
+
+# Qwen3-8B (config.json of Qwen/Qwen3-8B) with z-lab/Qwen3-8B-DFlash-b16 (5 layers, 5 target layers)
+PAPER = Shapes(name="paper: Qwen3-8B", vocab=151936, hidden=4096, block_size=16, rank=256, markov_rank=256,
+               drafter_layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288, target_layers=36,
+               target_features=5, target_vocab=151936, target_intermediate=12288, context=512)
+# seconds on a CPU: for tests and for checking the GPU script's code path without a GPU
+TINY = Shapes(name="tiny (test)", vocab=512, hidden=64, block_size=8, rank=16, markov_rank=16, drafter_layers=1,
+              heads=4, kv_heads=2, head_dim=16, intermediate=128, target_layers=4, target_features=2,
+              target_vocab=1024, target_intermediate=128, context=32)
+# SmolLM2-135M-Instruct, the cpu preset's target (its config.json)
+SMOLLM2_135M = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536, "layers": 30,
+                "vocab": 49152}
+
+
+def preset_shapes(cfg, context: int = 256) -> Shapes:
+    """The preset's shapes: B, drafter layers and target features, r, the draft vocabulary (0 = the full
+    one) from ``cfg``; the target's architecture from ``cfg.target`` for a random target, else
+    SmolLM2-135M's (the embedded target; a hub target has its own sizes: time it with ``target=``)."""
+    t = cfg.target
+    if t.source == "random":
+        arch = {"hidden": t.random_hidden, "heads": t.random_heads, "kv_heads": t.random_kv_heads,
+                "head_dim": t.random_hidden // t.random_heads, "intermediate": t.random_intermediate,
+                "layers": t.random_layers, "vocab": SMOLLM2_135M["vocab"]}
+    else:
+        arch = SMOLLM2_135M
+    d = cfg.drafter
+    return Shapes(name=f"{cfg.preset} preset: {t.model}", vocab=d.draft_vocab_size or arch["vocab"],
+                  hidden=arch["hidden"], block_size=d.block_size, rank=cfg.head.rank,
+                  markov_rank=cfg.head.markov_rank, drafter_layers=d.num_layers, heads=arch["heads"],
+                  kv_heads=arch["kv_heads"], head_dim=arch["head_dim"],
+                  intermediate=d.intermediate_size or arch["intermediate"], target_layers=arch["layers"],
+                  target_features=d.num_target_features, target_vocab=arch["vocab"],
+                  target_intermediate=arch["intermediate"], context=context)
+
+
+@dataclass
+class LatencyConfig:
+    """How to measure: ``ks`` Jacobi budgets, ``repeats`` timed calls per component (after ``warmup``),
+    random weights of ``scale`` for the refiner (N(0, scale^2 / fan_in)), ``seed``, ``device``, ``dtype``
+    of every module (the heads' logits are float32 whatever it is), ``target``: also time a random target
+    of these shapes (``True``) or not; ``cuda_graphs`` and ``compile``: the captured variants on CUDA."""
+
+    ks: Sequence[int] = tuple(range(1, 9))
+    repeats: int = 15
+    warmup: int = 2
+    scale: float = 3.0
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    target: bool = False
+    cuda_graphs: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.repeats < 2 or self.warmup < 0:
+            raise ValueError(f"repeats={self.repeats} must be >= 2 (for a spread) and warmup={self.warmup} >= 0")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"ks={list(self.ks)}: give Jacobi budgets >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+# ============================================================================================ timing
+def time_call(fn: Callable[[], Any], repeats: int, warmup: int, device: torch.device | str) -> dict[str, float]:
+    """Wall time of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones, waiting for the device
+    (:func:`xpress.utils.now`): median, first and third quartile, IQR and the mean, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = now(device)
+        fn()
+        samples.append((now(device) - t0) * 1e3)
+    q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return {"median_ms": med, "q1_ms": q1, "q3_ms": q3, "iqr_ms": q3 - q1, "mean_ms": statistics.fmean(samples),
+            "repeats": repeats}
+
+
+def _fill_random_(module: nn.Module, std: float, generator: torch.Generator) -> nn.Module:
+    """Every matrix N(0, std^2), every norm weight 1 (in place, drawn on the module's device by
+    ``generator``, which must live there): a random model of realistic scale."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+    return module
+
+
+# ======================================================================================= the modules
+@dataclass
+class Block:
+    """The random modules and inputs of one block at ``shapes`` (batch 1): the drafter with its context
+    (``context_len`` tokens), the target's ``lm_head`` (the readout), the refiner and the Markov head, and
+    the drafter's output for the block: ``h`` [1, P, H], ``base`` [1, P, Vd] float32."""
+
+    shapes: Shapes
+    drafter: DFlashDraftModel
+    context: Any
+    lm_head: nn.Linear
+    vocab: DraftVocab
+    refiner: XPressRefiner
+    markov: MarkovHead
+    anchor: torch.Tensor
+    anchor_pos: torch.Tensor
+    h: torch.Tensor = field(init=False)
+    base: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        with torch.no_grad():
+            self.h = self.forward()
+            self.base = self.readout()
+
+    def forward(self) -> torch.Tensor:
+        """The drafter's forward for the block: [1, P, H]."""
+        return self.drafter(self.anchor[:, None], self.anchor_pos[:, None], self.context)[:, 0, 1:]
+
+    def readout(self) -> torch.Tensor:
+        """The base logits through the target's lm_head: [1, P, Vd] float32."""
+        return self.drafter.base_logits(self.h, self.vocab)
+
+
+def worst_case_(refiner: XPressRefiner, hidden_scale: float = 0.1) -> XPressRefiner:
+    """Make a random refiner the slowest case for Jacobi refinement, in place: no mixing (``L = 0``) and a
+    weak hidden-state path, so each position's choice is a pseudo-random function of its previous token
+    (a chain ``y_k = f(y_{k-1})``). From a wrong seed, pass t then fixes exactly one more position
+    (Theorem 1's bound is tight) and changes every later one, so K passes are run and pass t recomputes
+    P - t + 1 positions: the cost of K, not of an easy block."""
+    with torch.no_grad():
+        refiner.mix.zero_()
+        refiner.w_h.weight.mul_(hidden_scale)
+        refiner.w_g.weight.mul_(hidden_scale)
+    return refiner
+
+
+def build_block(shapes: Shapes, lc: LatencyConfig) -> Block:
+    """Random modules of ``shapes`` on ``lc.device`` in ``lc.dtype`` (see :class:`Block`)."""
+    dev, dtype, s = torch.device(lc.device), lc.torch_dtype, shapes
+    g = torch.Generator().manual_seed(lc.seed)
+    g_dev = torch.Generator(device=dev).manual_seed(lc.seed)
+    config = DFlashConfig(hidden_size=s.hidden, intermediate_size=s.intermediate, num_attention_heads=s.heads,
+                          num_key_value_heads=s.kv_heads, head_dim=s.head_dim, num_hidden_layers=s.drafter_layers,
+                          num_target_layers=s.target_layers,
+                          target_layer_ids=list(range(1, 1 + s.target_features)), vocab_size=s.target_vocab,
+                          block_size=s.block_size, mask_token_id=None)
+    with torch.device("meta"):
+        drafter, lm_head = DFlashDraftModel(config), nn.Linear(s.hidden, s.target_vocab, bias=False)
+    drafter = _fill_random_(drafter.to(dtype).to_empty(device=dev), 0.02, g_dev).eval().requires_grad_(False)
+    lm_head = _fill_random_(lm_head.to(dtype).to_empty(device=dev), 0.02, g_dev).requires_grad_(False)
+    embed = nn.Embedding.from_pretrained(lm_head.weight, freeze=True)  # tied: no second V x H matrix
+    drafter.attach(embed, lm_head)
+    vocab = DraftVocab.full(s.target_vocab) if s.vocab >= s.target_vocab else DraftVocab.from_ids(range(s.vocab), s.target_vocab)
+    refiner = worst_case_(randomize_(XPressRefiner(vocab, s.hidden, s.positions, s.rank), lc.scale, g))
+    markov = randomize_(MarkovHead(vocab, s.markov_rank), 1.0, g)
+    refiner = refiner.to(device=dev, dtype=dtype).requires_grad_(False)
+    markov = markov.to(device=dev, dtype=dtype).requires_grad_(False)
+    L = s.context
+    with torch.no_grad():
+        features = torch.randn(1, L, s.target_features * s.hidden, generator=g).to(device=dev, dtype=dtype)
+        positions = torch.arange(L, device=dev)[None]
+        context = drafter.encode_context(features, positions)
+        refiner.token_table()  # folded once per weights, not per block
+    anchor = torch.tensor([7], device=dev)
+    return Block(s, drafter, context, lm_head, vocab, refiner, markov, anchor, torch.tensor([L], device=dev))
+
+
+# ===================================================================================== refinement
+def refine_xpress(block: Block, k: int, init: torch.Tensor | None = None, incremental: bool = True,
+                  logits_hook: Callable | None = None):
+    """Fold the refiner for the block and run ``k`` Jacobi passes (adaptive): a RefineResult."""
+    fn = corrected_logits(block.base, block.refiner.fold(block.h))
+    if logits_hook is not None:
+        fn = logits_hook(fn)
+    return jacobi_refine(fn, block.base, block.anchor, k, vocab=block.vocab, init=init, incremental=incremental)
+
+
+def refine_markov(block: Block):
+    """The Markov head's P serial steps: a RefineResult."""
+    return sequential_refine(corrected_logits(block.base, block.markov.bias), block.base, block.anchor,
+                             vocab=block.vocab)
+
+
+def count_work(block: Block, k: int, init: torch.Tensor | None, incremental: bool = True) -> dict[str, float]:
+    """Passes run and readout rows computed by one refinement (an untimed run)."""
+    rows = []
+
+    def hook(fn):
+        def counted(prev, r, kk=None, lo=0):
+            out = fn(prev, r, kk, lo)
+            rows.append(out.shape[0] * out.shape[1])
+            return out
+        return counted
+
+    with torch.no_grad():
+        res = refine_xpress(block, k, init, incremental, hook)
+    return {"passes": float(res.iters.float().mean()), "positions": float(sum(rows))}
+
+
+def dense_rollout(block: Block, k: int, y0: torch.Tensor, step: Callable | None = None) -> torch.Tensor:
+    """``k`` dense Jacobi passes with no early stop and no host synchronisation (capturable in a CUDA
+    graph): y0 [1, P] draft ids -> Y^(k) [1, P]. Equal to :func:`jacobi_refine` at ``max_iters = k`` from
+    ``y0`` (a fixed point repeats itself). ``step``: the pass ``(folded, y) -> y`` (e.g. compiled)."""
+    folded = block.refiner.fold(block.h)
+    step = step or (lambda f, y: pass_tokens(block, f, y))
+    y = y0
+    for _ in range(k):
+        y = step(folded, y)
+    return y
+
+
+def pass_tokens(block: Block, folded, y: torch.Tensor) -> torch.Tensor:
+    """One dense Jacobi pass at T = 0: y [1, P] -> [1, P]."""
+    rows = torch.zeros(1, dtype=torch.int64, device=y.device)
+    return select(folded(prev_tokens(block.anchor, y, block.vocab), rows).add_(block.base), 0.0, None)
+
+
+def cuda_graph(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Capture ``fn()`` (static shapes, no host synchronisation) in a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# ============================================================================================ target
+def random_target(shapes: Shapes, lc: LatencyConfig):
+    """A transformers Qwen3 causal LM of ``shapes`` with random weights (no download), eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    s = shapes
+    config = Qwen3Config(vocab_size=s.target_vocab, hidden_size=s.hidden, intermediate_size=s.target_intermediate,
+                         num_hidden_layers=s.target_layers, num_attention_heads=s.heads,
+                         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
+                         tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(lc.torch_dtype)  # built in its dtype on its device: no float32 copy of 8B weights
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device(lc.device):
+            torch.manual_seed(lc.seed)
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(lc.torch_dtype).eval().requires_grad_(False)
+
+
+def time_target(model, shapes: Shapes, lc: LatencyConfig) -> dict[str, dict[str, float]]:
+    """The target's 1-token decoding step (lean: one logit) and its B-token verification (every logit
+    and the hidden states, as the decoding loop asks), after a ``shapes.context``-token prompt; the
+    cache is cropped back after each call."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    L, B = shapes.context, shapes.block_size
+    g = torch.Generator().manual_seed(lc.seed)
+    ctx = torch.randint(model.config.vocab_size, (1, L), generator=g).to(dev)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def call(n: int, verify: bool) -> Callable[[], None]:
+        ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
+        pos = torch.arange(L, L + n, device=dev)[None]
+
+        @torch.inference_mode()
+        def run() -> None:
+            model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                  output_hidden_states=verify, logits_to_keep=0 if verify else 1)
+            cache.crop(-n)  # back to the L-token prompt
+        return run
+
+    return {"target step (1 token)": time_call(call(1, False), lc.repeats, lc.warmup, dev),
+            f"target verify ({B} tokens)": time_call(call(B, True), lc.repeats, lc.warmup, dev)}
+
+
+# ============================================================================================= study
+def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progress: Callable[[str], None] | None = None
+                   ) -> dict[str, Any]:
+    """Every component at ``shapes``: ``timings`` {name: time_call dict}, ``work`` {name: passes,
+    positions}, ``ratios`` (median / the Markov head's), ``composition`` (draft side per method and
+    its share of a decoding round when the target was timed) and ``checks``."""
+    say = progress or (lambda m: None)
+    dev = torch.device(lc.device)
+    say(f"{shapes.name}: building random modules")
+    block = build_block(shapes, lc)
+    p = shapes.positions
+    g = torch.Generator().manual_seed(lc.seed + 1)
+    seed_block = torch.randint(0, block.vocab.size, (1, p), generator=g).to(dev)  # a hard start for K passes
+    t: dict[str, dict[str, float]] = {}
+    work: dict[str, dict[str, float]] = {}
+    rep, warm = lc.repeats, lc.warmup
+    with torch.no_grad():
+        say(f"{shapes.name}: drafter forward, readout")
+        t["drafter forward"] = time_call(block.forward, rep, warm, dev)
+        t["base readout"] = time_call(block.readout, rep, warm, dev)
+        t["fold"] = time_call(lambda: block.refiner.fold(block.h), rep, warm, dev)
+        say(f"{shapes.name}: Markov head ({p} serial steps)")
+        t["markov"] = time_call(lambda: refine_markov(block), rep, warm, dev)
+        for k in lc.ks:
+            say(f"{shapes.name}: xpress K={k}")
+            t[f"xpress K={k}"] = time_call(lambda k=k: refine_xpress(block, k, seed_block), rep, warm, dev)
+            work[f"xpress K={k}"] = count_work(block, k, seed_block)
+        t["xpress adaptive"] = time_call(lambda: refine_xpress(block, p), rep, warm, dev)
+        work["xpress adaptive"] = count_work(block, p, None)
+        t["xpress dense K=4"] = time_call(lambda: refine_xpress(block, 4, seed_block, False), rep, warm, dev)
+        work["xpress dense K=4"] = count_work(block, 4, seed_block, incremental=False)
+        checks = {"incremental equals dense (K=4 tokens)": bool(torch.equal(
+            refine_xpress(block, 4, seed_block).tokens, refine_xpress(block, 4, seed_block, False).tokens))}
+        if dev.type == "cuda" and lc.cuda_graphs:
+            t.update(_graph_timings(block, lc, seed_block, checks, say))
+    if target_model is not None:
+        say(f"{shapes.name}: target step and verify")
+        t.update(time_target(target_model, shapes, lc))
+    markov = t["markov"]["median_ms"]
+    ratios = {name: v["median_ms"] / markov for name, v in t.items()}
+    return {"shapes": asdict(shapes), "timings": t, "work": work, "ratios": ratios,
+            "markov_over_xpress_k4": markov / t["xpress K=4"]["median_ms"] if "xpress K=4" in t else None,
+            "composition": composition(t, shapes), "checks": checks}
+
+
+def _graph_timings(block: Block, lc: LatencyConfig, seed_block: torch.Tensor, checks: dict, say) -> dict:
+    """CUDA-graph replays of the dense K-pass rollout (the pass compiled if ``lc.compile`` and it works)
+    and of the Markov decode; each variant falls back (and is left out) if capture fails."""
+    dev, out = torch.device(lc.device), {}
+    step = None
+    if lc.compile:
+        try:
+            say("compiling the Jacobi pass (torch.compile)")
+            compiled = torch.compile(lambda f, y: pass_tokens(block, f, y), dynamic=False, fullgraph=False)
+            dense_rollout(block, 1, seed_block, compiled)
+            step = compiled
+            checks["compiled"] = True
+        except Exception as e:  # no compiler toolchain, an unsupported op: eager passes
+            checks["compiled"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    for k in lc.ks:
+        try:
+            replay = cuda_graph(lambda k=k: dense_rollout(block, k, seed_block, step))
+            out[f"xpress graph K={k}"] = time_call(replay, lc.repeats, lc.warmup, dev)
+        except Exception as e:
+            checks[f"graph K={k}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            break
+    try:
+        out["markov graph"] = time_call(cuda_graph(lambda: refine_markov(block)), lc.repeats, lc.warmup, dev)
+    except Exception as e:
+        checks["markov graph"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    checks["dense rollout equals jacobi_refine (K=4 tokens)"] = bool(torch.equal(
+        dense_rollout(block, 4, seed_block, step), refine_xpress(block, 4, seed_block).tokens))
+    return out
+
+
+def composition(t: dict[str, dict[str, float]], shapes: Shapes) -> dict[str, dict[str, float]]:
+    """Draft side per method (drafter forward + base readout + refinement, ms) and, when the target's
+    verification was timed, its share of one decoding round (draft side + verification)."""
+    verify = t.get(f"target verify ({shapes.block_size} tokens)")
+    drafting = t["drafter forward"]["median_ms"] + t["base readout"]["median_ms"]
+    methods = {"dflash": 0.0, "markov": t["markov"]["median_ms"]}
+    methods.update({name: v["median_ms"] for name, v in t.items() if name.startswith("xpress K=") or name == "xpress adaptive"})
+    out = {}
+    for name, refine in methods.items():
+        draft = drafting + refine
+        row = {"drafter_ms": drafting, "refine_ms": refine, "draft_side_ms": draft}
+        if verify is not None:
+            round_ms = draft + verify["median_ms"]
+            row.update(verify_ms=verify["median_ms"], round_ms=round_ms, draft_share=draft / round_ms,
+                       refine_share=refine / round_ms)
+        out[name] = row
+    return out
+
+
+def run_latency(preset: str = "cpu", shape_sets: Sequence[str] = SHAPE_SETS, lc: LatencyConfig | None = None,
+                overrides: Sequence[str] = (), target=None, out_dir: str | Path | None = None,
+                results_name: str | None = None, progress: bool = True, save: bool = True) -> dict[str, Any]:
+    """The latency study for ``shape_sets`` (``preset``: ``configs/<preset>.yaml``'s shapes; ``paper``:
+    :data:`PAPER`; ``tiny``: :data:`TINY`). ``target``: a loaded :class:`~xpress.targets.Target` to time at the preset's shapes
+    (its real weights); with ``lc.target`` a random Qwen3 target is built for the paper's shapes (a GPU
+    job: 8B parameters). Writes ``results/<results_name or preset>/latency.{json,csv}`` with provenance
+    (load average before and after) and returns the JSON payload."""
+    lc = lc or LatencyConfig()
+    for s in shape_sets:
+        if s not in SHAPE_SETS:
+            raise ValueError(f"shape set {s!r}: use {' or '.join(SHAPE_SETS)}")
+    say = (lambda m: print(f"[latency] {m}", flush=True)) if progress else None
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    sets: dict[str, Any] = {}
+    for name in shape_sets:
+        if name == "preset":
+            from ..config import load_config
+
+            cfg = load_config(preset, list(overrides))
+            shapes = preset_shapes(cfg)
+            model = target.model if target is not None else (random_target(shapes, lc) if lc.target else None)
+            if target is not None:
+                shapes = replace(shapes, name=f"{cfg.preset} preset: {target.name}")
+        else:
+            shapes = PAPER if name == "paper" else TINY
+            model = random_target(shapes, lc) if lc.target else None
+        sets[name] = measure_shapes(shapes, lc, model, say)
+        del model
+    result = {"what": "latency per block at batch 1 (Table 3 / Figure 4): refiner at K, Markov head, drafter, "
+                      "readout, target step and verify; medians over repeats with the IQR",
+              "preset": preset, "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(lc).items()},
+              "shape_sets": sets, "seconds": time.perf_counter() - t0,
+              "provenance": provenance(results_name or preset, torch_threads=torch.get_num_threads(),
+                                       load_average_before=load_before, load_average_after=os.getloadavg())}
+    if save:
+        folder = Path(out_dir) if out_dir else paths.RESULTS / (results_name or preset)
+        atomic_write_json(folder / "latency.json", result)
+        atomic_write_text(folder / "latency.csv", latency_csv(result))
+    return result
+
+
+def latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (shape set, component): K (None where not a Jacobi budget), median, quartiles, IQR,
+    the ratio to the Markov head, passes and readout rows."""
+    rows = []
+    for set_name, s in result["shape_sets"].items():
+        for name, v in s["timings"].items():
+            k = int(name.split("K=")[1]) if "K=" in name else None
+            w = s["work"].get(name, {})
+            rows.append({"shapes": set_name, "component": name, "K": k, "median_ms": v["median_ms"],
+                         "q1_ms": v["q1_ms"], "q3_ms": v["q3_ms"], "iqr_ms": v["iqr_ms"],
+                         "ratio_to_markov": s["ratios"][name], "passes": w.get("passes"),
+                         "positions": w.get("positions")})
+    return rows
+
+
+def latency_csv(result: dict[str, Any]) -> str:
+    rows = latency_rows(result)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def plot_latency(result: dict[str, Any]):
+    """Figure 4 analogue: refinement latency against K per shape set (median, IQR bars), the Markov
+    head's serial decode as a horizontal line (its IQR shaded). Returns the figure."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(latency_rows(result))
+    sets = list(result["shape_sets"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        d = df[(df.shapes == name) & df.component.str.startswith("xpress K=")]
+        sns.lineplot(data=d, x="K", y="median_ms", marker="o", ax=ax, label="xPress, K Jacobi passes")
+        ax.errorbar(d.K, d.median_ms, yerr=[d.median_ms - d.q1_ms, d.q3_ms - d.median_ms], fmt="none", c="C0")
+        g = df[(df.shapes == name) & df.component.str.startswith("xpress graph K=")]
+        if len(g):
+            sns.lineplot(data=g, x="K", y="median_ms", marker="s", ax=ax, label="xPress, CUDA graph")
+        m = result["shape_sets"][name]["timings"]["markov"]
+        p = result["shape_sets"][name]["shapes"]["block_size"] - 1
+        ax.axhline(m["median_ms"], c="C3", ls="--", label=f"Markov head ({p} serial steps)")
+        ax.axhspan(m["q1_ms"], m["q3_ms"], color="C3", alpha=0.15)
+        ax.set_title(result["shape_sets"][name]["shapes"]["name"])
+        ax.set_xlabel("K (Jacobi passes)")
+        ax.set_ylabel("ms per block")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

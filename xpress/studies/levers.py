@@ -1,0 +1,86 @@
+"""Training levers, one at a time: short plain-drafter runs from scratch that differ from the preset in
+one config key, scored by teacher-forced acceptance on the held-out validation split.
+
+    python -m xpress.studies.levers --preset cpu --steps 400 base drafter.init_from_target=true ...
+
+Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run trains the ``dflash``
+drafter for ``--steps`` steps into ``checkpoints/<preset>/levers/<name>/`` (never the real stages' folders),
+then scores it with :func:`xpress.train.loop.teacher_forced_val`, whose fixed anchors make the runs
+compare on the same ~700 blocks. Rows append to ``results/<preset>/levers.{json,csv}`` (one row per lever;
+a rerun of the same lever and steps replaces its row).
+
+Teacher-forced acceptance over random anchors runs higher than tau by decoding (decoding rounds start
+where the previous draft failed, which are harder positions), so the rows rank levers; they are not a tau.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Sequence
+
+from .. import paths
+from ..config import Config, load_config
+
+
+def lever_config(preset: str, lever: str, steps: int) -> Config:
+    """The preset with one override (``lever`` of the form ``key=value``; ``base`` for none), evaluation by
+    decoding off and checkpoints only at the end."""
+    overrides = [] if lever == "base" else [lever]
+    return load_config(preset, ["train.eval_prompts=0", f"train.checkpoint_every={steps + 1}", *overrides])
+
+
+def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progress: bool = True) -> dict[str, Any]:
+    """Train and score one lever; returns its row (lever, steps, seconds, val_tf_tau, blocks, s_per_step)."""
+    from ..proposer import load_drafter
+    from ..train.loop import CoTrainer, checkpoint_dir, run_stage, teacher_forced_val
+    from ..train.regenerate import RegenData
+
+    cfg = lever_config(preset, lever, steps)
+    data = data or RegenData.load(cfg)
+    stage = "levers/" + lever.replace("=", "-").replace("/", "_")  # checkpoints/<preset>/levers/<lever>/
+    t0 = time.perf_counter()
+    run_stage(cfg, stage, "dflash", steps, target=target, data=data, progress=progress, overwrite=True,
+              write_log=False)
+    seconds = time.perf_counter() - t0
+    md = load_drafter(checkpoint_dir(cfg, stage), "dflash", cfg, target)
+    val = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, cfg)
+    return {"lever": lever, "steps": steps, "seconds": seconds, "s_per_step": seconds / steps,
+            "val_tf_tau": val["tf_tau"], "blocks": val["blocks"]}
+
+
+def record(preset: str, rows: Sequence[dict]) -> None:
+    """Merge ``rows`` into ``results/<preset>/levers.{json,csv}`` (same lever and steps: replaced)."""
+    import json
+
+    import pandas as pd
+
+    from ..utils import atomic_write_json, atomic_write_text, provenance
+
+    out = paths.RESULTS / preset / "levers.json"
+    old = json.loads(out.read_text())["rows"] if out.is_file() else []
+    keep = {(r["lever"], r["steps"]): r for r in [*old, *rows]}
+    merged = sorted(keep.values(), key=lambda r: (r["steps"], -r["val_tf_tau"]))
+    atomic_write_json(out, {"rows": merged, "provenance": provenance(preset)})
+    atomic_write_text(out.with_suffix(".csv"), pd.DataFrame(merged).to_csv(index=False))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..targets import load_target
+
+    ap = argparse.ArgumentParser(prog="python -m xpress.studies.levers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="cpu")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("levers", nargs="+", help="base, or key=value overrides, one lever each")
+    args = ap.parse_args(argv)
+    cfgs = [lever_config(args.preset, lever, args.steps) for lever in args.levers]  # bad keys fail first
+    target = load_target(cfgs[0])
+    for lever in args.levers:
+        row = run_lever(args.preset, lever, args.steps, target=target)
+        record(args.preset, [row])
+        print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps "
+              f"({row['s_per_step']:.2f} s a step)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
