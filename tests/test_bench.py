@@ -4,7 +4,7 @@ and quiet loading."""
 from __future__ import annotations
 
 import json
-import logging
+import time
 
 import pytest
 import torch
@@ -55,6 +55,24 @@ def test_load_check_by_hand():
     after = utils.load_check(0.2, 3.5, own_load=2, cpus=2)
     assert before["busy"] and after["busy"] and "busy" in after["load_warning"] and "3.50" in after["load_warning"]
     assert not utils.load_check(None, None)["busy"]  # no load average on this platform: no claim
+    # measured use by other processes decides where it exists: the load average at the start may be our own
+    own_work = utils.load_check(1.9, 2.0, own_load=2, cpus=2, others=(0.05, 0.1))
+    assert not own_work["busy"] and own_work["other_cpus"] == [0.05, 0.1]
+    shared = utils.load_check(0.3, 2.1, own_load=2, cpus=2, others=(0.1, 1.6))
+    assert shared["busy"] and "1.60 of 2 CPUs" in shared["load_warning"]
+
+
+def test_other_cpu_use_sees_another_process():
+    import subprocess
+    import sys
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 20: pass"])
+    try:
+        time.sleep(0.3)
+        assert utils.other_cpu_use(0.5) > 0.5  # a spinning process holds about one CPU
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 # ------------------------------------------------------------------------------------ oracle ceiling

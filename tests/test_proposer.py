@@ -5,7 +5,6 @@ import torch
 
 import xpress.paths
 from xpress import Drafter, ModelDrafter, build_drafter
-from xpress.config import load_config
 from xpress.drafter import DrafterMismatchError
 from xpress.heads import randomize_
 from xpress.methods import MODEL_METHODS, drafter_weights, make_drafter

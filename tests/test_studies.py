@@ -69,3 +69,22 @@ def test_readme_results_agree_with_files():
     for preset in ("cpu",):
         assert render(preset, text) == text, (f"README.md disagrees with results/{preset}/: run "
                                               f"`python -m xpress report --preset {preset}`")
+
+
+def test_a_smoke_run_writes_only_under_its_preset(tmp_path):
+    """Results and figures are kept per preset: a smoke run (as `make test` makes one) writes under
+    <results>/smoke/ and nowhere else, so the committed results/cpu/ cannot be touched by it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XPRESS_RESULTS": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    code = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt;"
+            "from xpress.plots import save_fig; save_fig(plt.figure(), 'probe', 'smoke');"
+            "from xpress.__main__ import main; raise SystemExit(main(['bench', 'oracle-ceiling', '--preset', 'smoke',"
+            "'--n-prompts', '1', '--max-new-tokens', '4', '--repeats', '1', '--no-progress']))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.parts[0] == "smoke" for p in written), written
+    assert {"smoke/oracle_ceiling.json", "smoke/figures/probe.png"} <= {p.as_posix() for p in written}

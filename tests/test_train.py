@@ -382,6 +382,62 @@ def test_training_lowers_the_loss(root, data, target, monkeypatch):
     assert after["tf_tau"] >= before["tf_tau"]
 
 
+def test_teacher_forced_val(data, target):
+    """Validation acceptance: the held-out sequences only, the same blocks whatever the training batch
+    shape, and exactly the teacher-forced acceptance of those blocks."""
+    from dataclasses import replace
+
+    from xpress.train.loop import VAL_ANCHORS, VAL_BATCH, teacher_forced_val
+
+    cfg = small()
+    vocab, _ = build_vocab(cfg, target, data)
+    md = new_drafter("xpress", cfg, target, vocab, seed=0)
+    randomize_(md.head, scale=3.0, generator=torch.Generator().manual_seed(0))  # refined != base
+    module = CoTrainer(md.drafter, md.head, md.vocab)
+    val = teacher_forced_val(module, data, cfg)
+    assert val == teacher_forced_val(module, data, small("train.anchors_per_seq=7", "train.batch_size=1"))
+    rows = data.indices("val")
+    fixed = replace(cfg, train=replace(cfg.train, anchors_per_seq=VAL_ANCHORS, batch_size=VAL_BATCH))
+    batch = make_batch(data, rows, fixed, torch.Generator().manual_seed(cfg.seed + 7919))
+    with torch.no_grad():
+        out = module(batch, consistency=False)
+    labels, valid = vocab.to_draft(batch.labels.reshape(-1, cfg.drafter.block_size - 1)), batch.label_valid.flatten(0, 1)
+    assert val["blocks"] == int(valid.all(-1).sum()) > 0
+    assert val["tf_tau"] == pytest.approx(teacher_forced_acceptance(out["refined"], labels, valid)[1])
+    assert val["tf_tau_base"] == pytest.approx(teacher_forced_acceptance(out["base"], labels, valid)[1])
+    assert module.training  # left as it was
+
+    class Perfect(CoTrainer):  # refined logits that always pick the regenerated token: tau = B on every block
+        def forward(self, batch, consistency=True):
+            out = super().forward(batch, consistency)
+            gold = self.vocab.to_draft(batch.labels.flatten(0, 1)).clamp_min(0)
+            out["refined"] = torch.nn.functional.one_hot(gold, out["base"].shape[-1]).float() * 50
+            return out
+
+    perfect = teacher_forced_val(Perfect(md.drafter, md.head, md.vocab), data, cfg)
+    inside = bool((vocab.to_draft(batch.labels.flatten(0, 1))[valid.all(-1)] >= 0).all())
+    assert perfect["tf_tau_base"] == val["tf_tau_base"]
+    assert perfect["tf_tau"] > val["tf_tau"]  # labels outside the draft vocabulary still stop a block
+    if inside:  # every label is a draft token: every block accepted whole
+        assert perfect["tf_tau"] == cfg.drafter.block_size
+
+
+def test_lever_rows_merge(tmp_path, monkeypatch):
+    import json
+
+    from xpress.studies.levers import lever_config, record
+
+    monkeypatch.setattr(paths, "RESULTS", tmp_path)
+    record("smoke", [{"lever": "base", "steps": 4, "seconds": 8.0, "s_per_step": 2.0, "val_tf_tau": 1.1, "blocks": 3}])
+    record("smoke", [{"lever": "base", "steps": 4, "seconds": None, "s_per_step": None, "val_tf_tau": 1.2, "blocks": 3},
+                     {"lever": "train.lr=1e-3", "steps": 4, "seconds": 4.0, "s_per_step": 1.0, "val_tf_tau": 1.3, "blocks": 3}])
+    rows = json.loads((tmp_path / "smoke" / "levers.json").read_text())["rows"]
+    assert [(r["lever"], r["val_tf_tau"], r["seconds"]) for r in rows] == [("train.lr=1e-3", 1.3, 4.0), ("base", 1.2, 8.0)]
+    assert lever_config("smoke", "train.lr=1e-3", 4).train.lr == 1e-3
+    with pytest.raises(Exception, match="nosuch"):
+        lever_config("smoke", "train.nosuch=1", 4)
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def _train_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xpress", "train", "--preset", "smoke", "--method", "xpress",

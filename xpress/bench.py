@@ -14,8 +14,6 @@ reported.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import statistics
@@ -274,7 +272,7 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
     """
     from .config import load_config
     from .targets import load_target
-    from .utils import atomic_write_jsonl, load_average, load_check, seed_everything
+    from .utils import atomic_write_jsonl, load_average, load_check, other_cpu_use, seed_everything
 
     cfg = load_config(preset, list(overrides))
     temperature = cfg.decode.temperature if temperature is None else temperature
@@ -307,7 +305,7 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
     drafter = make_drafter(method, cfg, target, seed=seed, checkpoint=checkpoint)
     todo = records[len(kept):]
     prepare_s = prepare_oracle(drafter, todo, target, max_new_tokens, progress)
-    load_start = load_average()
+    load_start, others_start = load_average(), other_cpu_use()
     partial = PartialOutput(part, key, kept)
     try:
         results = kept + decode_records(target, todo, drafter, method, max_new_tokens, temperature, seed,
@@ -320,7 +318,8 @@ def decode_main(preset: str, method: str, bench: str | None, prompts_file: str |
     atomic_write_jsonl(out_path, results)
     part.unlink(missing_ok=True)
     return {**decode_summary(results), "oracle_prepare_s": prepare_s,
-            "load_warning": load_check(load_start, load_average(), own_load=_threads())["load_warning"]}
+            "load_warning": load_check(load_start, load_average(), own_load=_threads(),
+                                       others=(others_start, other_cpu_use()))["load_warning"]}
 
 
 def _threads() -> int:
@@ -469,10 +468,9 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     from .decoding import generate_ar, generate_speculative, speedup, summarize
     from .reference_drafters import OracleDrafter
     from .targets import load_target
-    from .utils import (atomic_write_json, atomic_write_text, load_average, load_check, now, provenance,
-                        seed_everything)
+    from .utils import load_average, load_check, now, other_cpu_use, provenance, seed_everything, write_result
 
-    load_start = load_average()
+    load_start, others_start = load_average(), other_cpu_use()
     cfg = load_config(preset, list(overrides))
     seed_everything(cfg.seed)
     target = load_target(cfg)
@@ -499,7 +497,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 
     context = ids[0][:max(1, min(len(ids[0]), target.cfg.max_context - B - 1))]
     ratio = verify_cost_ratio(target, context, B, repeats=verify_repeats)
-    load = load_check(load_start, load_average(), own_load=_threads())
+    load = load_check(load_start, load_average(), own_load=_threads(), others=(others_start, other_cpu_use()))
     spreads = {"ar_tokens_per_s": spread([p["ar"]["tokens_per_s"] for p in per_repeat]),
                "oracle_tokens_per_s": spread([p["oracle"]["tokens_per_s"] for p in per_repeat]),
                "speedup": spread([p["speedup"] for p in per_repeat])}
@@ -530,13 +528,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "per_repeat": per_repeat,
         "provenance": provenance(preset, **load),
     }
-    folder = Path(out_dir) if out_dir else paths.RESULTS / preset
-    atomic_write_json(folder / "oracle_ceiling.json", result)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(folder / "oracle_ceiling.csv", buf.getvalue())
+    write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "oracle_ceiling", result, rows)
     return result
 
 

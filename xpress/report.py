@@ -162,26 +162,6 @@ def _batched_section(b: dict) -> list[str]:
     return out + [""]
 
 
-def _methods_t0_section(methods: dict) -> list[str]:
-    """The older T = 0 comparison (``methods_t0.json``), shown only until ``table1.json`` replaces it."""
-    rows = {(r["method"], r["bench"]): r for r in methods["summary"]}
-    benches = list(methods["benchmarks"]) + ["avg"]
-    out = [f"Tau by decoding held-out benchmark prompts and speedup over AR, T = 0, batch 1 "
-           f"(`methods_t0.json`, an older measurement that `table1.json` supersedes; {methods['prompts_per_benchmark']} "
-           f"prompts x {methods['max_new_tokens']} new tokens per benchmark, every output equal to greedy decoding: "
-           f"{all(r['lossless'] for r in methods['summary'])}; {_where(methods['provenance'])}):", "",
-           "| method | " + " | ".join(f"{b} tau" for b in benches) + " | speedup (avg) |",
-           "|---|" + "---|" * (len(benches) + 1)]
-    for m in methods["methods"]:
-        taus = " | ".join(f"{rows[(m, b)]['tau']:.2f}" for b in benches)
-        out.append(f"| {m} | {taus} | {rows[(m, 'avg')]['speedup']:.2f}x |")
-    avg = {m: rows[(m, "avg")]["tau"] for m in methods["methods"]}
-    if {"xpress", "dflash"} <= set(avg):
-        out += ["", f"tau(xPress) / tau(dFlash) = {avg['xpress'] / avg['dflash']:.2f} (the paper's Table 1, Qwen3-8B, "
-                    f"T = 0: 8.02 / 6.25 = 1.28)."]
-    return out + [""]
-
-
 def results_markdown(preset: str, folder: Path | None = None) -> str:
     """The README section for ``preset`` from the repository's ``results/<preset>/`` (what exists of it;
     the README describes the committed results, whatever ``$XPRESS_RESULTS`` says)."""
@@ -190,8 +170,6 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     t1 = _load(folder, "table1.json")
     if t1:
         out += _table1_section(t1)
-    elif _load(folder, "methods_t0.json"):
-        out += _methods_t0_section(_load(folder, "methods_t0.json"))
     ceiling = _load(folder, "oracle_ceiling.json")
     out += _break_even_section(folder, t1, ceiling)
     lat = _load(folder, "latency.json")

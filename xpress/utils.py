@@ -8,7 +8,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,22 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def atomic_write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
     return atomic_write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in records))
+
+
+def write_result(folder: str | os.PathLike, name: str, payload: Any, rows: Sequence[dict]) -> Path:
+    """A measured result: ``<folder>/<name>.json`` (the payload, provenance included) and
+    ``<folder>/<name>.csv`` (``rows``, columns in first-seen order), each written atomically."""
+    import csv
+    import io
+
+    folder = Path(folder)
+    atomic_write_json(folder / f"{name}.json", payload)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(folder / f"{name}.csv", buf.getvalue())
+    return folder / f"{name}.json"
 
 
 def atomic_torch_save(path: str | os.PathLike, obj: Any) -> Path:
@@ -255,22 +271,57 @@ def load_average() -> float | None:
         return None
 
 
+def other_cpu_use(window: float = 0.5) -> float | None:
+    """CPUs kept busy by OTHER processes right now: over ``window`` seconds, the machine's busy CPU time
+    (``/proc/stat``) minus this process's own (``os.times``), per second of wall time. Unlike the load
+    average (a one-minute mean that still holds this process's own recent work), it tells another job
+    from our own. None where ``/proc/stat`` is missing."""
+    def sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        t = os.times()
+        return sum(fields) - idle, t.user + t.system, time.perf_counter()
+
+    a = sample()
+    if a is None:
+        return None
+    time.sleep(window)
+    b = sample()
+    if b is None:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = (b[0] - a[0]) / ticks - (b[1] - a[1])
+    return max(0.0, busy / max(b[2] - a[2], 1e-9))
+
+
 def load_check(start: float | None, end: float | None, own_load: float = 0.0,
-               cpus: int | None = None) -> dict[str, Any]:
+               cpus: int | None = None, others: Sequence[float | None] = ()) -> dict[str, Any]:
     """Was the machine busy around a measurement? ``start`` and ``end``: 1-minute load averages taken
     before and after it (:func:`load_average`); ``own_load``: what the measurement itself adds to ``end``
     (its torch threads, for a run of a minute or more). Busy: the load of other work above half the
-    ``cpus`` (default: :func:`usable_cpus`) at either end. Returns the values to store beside the numbers
-    (``load_average_before``, ``load_average_after``, ``busy``, ``load_warning``: a sentence, or None)."""
+    ``cpus`` (default: :func:`usable_cpus`) at either end. ``others``: CPUs used by other processes
+    measured at the ends (:func:`other_cpu_use`); where any was measured, it decides (the load average at
+    the start still holds this process's own preceding work). Returns the values to store beside the
+    numbers (``load_average_before``, ``load_average_after``, ``other_cpus``, ``busy``, ``load_warning``:
+    a sentence, or None)."""
     cpus = cpus or usable_cpus()
-    others = [x for x in (start, None if end is None else end - own_load) if x is not None]
-    busy = any(x > cpus / 2 for x in others)
-    warning = None
-    if busy:
-        def show(x: float | None) -> str:
-            return "?" if x is None else f"{x:.2f}"
 
-        warning = (f"the machine was busy during this measurement (1-minute load average {show(start)} before, "
-                   f"{show(end)} after, {own_load:g} of it this run's own, on {cpus} CPUs): the timings are "
-                   f"not trustworthy; rerun on an idle machine")
-    return {"load_average_before": start, "load_average_after": end, "busy": busy, "load_warning": warning}
+    def show(x: float | None) -> str:
+        return "?" if x is None else f"{x:.2f}"
+
+    measured = [x for x in others if x is not None]
+    if measured:
+        busy = any(x > cpus / 2 for x in measured)
+        seen = f"other processes kept {', then '.join(show(x) for x in others)} of {cpus} CPUs busy"
+    else:
+        est = [x for x in (start, None if end is None else end - own_load) if x is not None]
+        busy = any(x > cpus / 2 for x in est)
+        seen = f"1-minute load average {show(start)} before, {show(end)} after, {own_load:g} of it this run's own, on {cpus} CPUs"
+    warning = (f"the machine was busy during this measurement ({seen}): the timings are not trustworthy; "
+               f"rerun on an idle machine") if busy else None
+    return {"load_average_before": start, "load_average_after": end, "other_cpus": list(others),
+            "busy": busy, "load_warning": warning}

@@ -12,16 +12,16 @@ shapes), so the share of outputs equal to AR at batch 1 is recorded, not asserte
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
 from typing import Any, Sequence
 
 from .. import paths
+from ..utils import write_result
 from ..config import Config
-from .compare import AR, LoadRecord, benchmark_prompts, make_drafters, warm_up, weights_of
-from .table1 import _provenance, write_table
+from .compare import AR, LoadRecord, benchmark_prompts, make_drafters, study_cli, warm_up, weights_of
+from .table1 import _provenance
 
 
 def round_robin(prompts: Sequence[dict]) -> list[dict]:
@@ -114,24 +114,13 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
               "warnings": warnings, "command": f"python -m xpress.studies.batched --preset {cfg.preset}  (or notebook 06)",
               "provenance": _provenance(cfg, load)}
     if save:
-        write_table(cfg.preset, "batched", result, table)
+        write_result(paths.RESULTS / cfg.preset, "batched", result, table)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xpress.studies.batched", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="cpu")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="config overrides key=value (eval.batch_sizes=1,4, ...)")
-    args = parser.parse_args(argv)
-    from ..config import load_config
-    from ..targets import load_target
-    from ..utils import seed_everything
-
-    cfg = load_config(args.preset, args.overrides)
-    seed_everything(cfg.seed)
-    result = run_batched(cfg, load_target(cfg), untrained_ok=cfg.target.source == "random",
+    cfg, target, args = study_cli(argv, "python -m xpress.studies.batched", __doc__, "eval.batch_sizes=[1,4]")
+    result = run_batched(cfg, target, untrained_ok=cfg.target.source == "random",
                          progress=not args.no_progress)
     for r in result["table"]:
         print(f"batch {r['batch_size']:>3} {r['method']:>7}: {r['tokens_per_s']:.1f} tokens/s, "

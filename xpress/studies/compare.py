@@ -58,27 +58,29 @@ def weights_of(drafters: Mapping[str, Any]) -> dict[str, str]:
 # ===================================================================================== machine load
 @dataclass
 class LoadRecord:
-    """The 1-minute load average before and after a measurement (:func:`xpress.utils.load_check`: busy
-    when the load of other work exceeds half the CPUs at either end; ``own_load``, this run's torch
-    threads, is taken off the load at the end)."""
+    """The machine's load before and after a measurement (:func:`xpress.utils.load_check`): the 1-minute
+    load average, and the CPUs other processes use at each end (:func:`xpress.utils.other_cpu_use`),
+    which decides: busy when other work takes more than half the CPUs at either end."""
 
     before: float | None
     own_load: float
+    others_before: float | None = None
     check: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls) -> "LoadRecord":
         import torch
 
-        from ..utils import load_average
+        from ..utils import load_average, other_cpu_use
 
-        return cls(before=load_average(), own_load=float(torch.get_num_threads()))
+        return cls(before=load_average(), own_load=float(torch.get_num_threads()), others_before=other_cpu_use())
 
     def stop(self, after: float | None = None) -> list[str]:
         """Take the load at the end; returns (and prints) the warning as a list, [] on a quiet machine."""
-        from ..utils import load_average, load_check
+        from ..utils import load_average, load_check, other_cpu_use
 
-        self.check = load_check(self.before, load_average() if after is None else after, self.own_load)
+        self.check = load_check(self.before, load_average() if after is None else after, self.own_load,
+                                others=(self.others_before, other_cpu_use()))
         if self.check["load_warning"]:
             print(f"WARNING: {self.check['load_warning']}")
         return [self.check["load_warning"]] if self.check["load_warning"] else []
@@ -157,3 +159,22 @@ def decode_interleaved(target, drafters: Mapping[str, Any], prompts: Sequence[di
                 bar.set_postfix(bench=p["bench"], method=m, tau=f"{g.tau:.2f}")
     bar.close()
     return rows
+
+
+def study_cli(argv: Sequence[str] | None, prog: str, doc: str, example: str):
+    """The shared command line of the studies (``--preset``, ``--no-progress``, config overrides): parses
+    ``argv``, seeds, loads the target -> (cfg, target, args)."""
+    import argparse
+
+    from ..config import load_config
+    from ..targets import load_target
+    from ..utils import seed_everything
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help=f"config overrides key=value ({example}, ...)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.preset, args.overrides)
+    seed_everything(cfg.seed)
+    return cfg, load_target(cfg), args

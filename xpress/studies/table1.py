@@ -19,14 +19,15 @@ prompts per benchmark would put a 5% tau difference outside the spread.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from .. import paths
+from ..utils import write_result
 from ..config import Config
-from .compare import AR, LoadRecord, benchmark_prompts, decode_interleaved, make_drafters, warm_up, weights_of
+from .compare import (AR, LoadRecord, benchmark_prompts, decode_interleaved, make_drafters, study_cli, warm_up,
+                      weights_of)
 
 HEAD = "xpress"
 BASELINES = ("dflash", "markov")
@@ -301,7 +302,7 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
     for f in result["flags"]:
         print(f"FLAG: T={f['temperature']:g} {f['method']} {f['bench']}: speedup {f['speedup']:.2f} > tau {f['tau']:.2f}")
     if save:
-        write_table(cfg.preset, "table1", result, result["summary"])
+        write_result(paths.RESULTS / cfg.preset, "table1", result, result["summary"])
     return result
 
 
@@ -313,31 +314,8 @@ def _provenance(cfg: Config, load: LoadRecord) -> dict[str, Any]:
     return provenance(cfg.preset, torch_threads=torch.get_num_threads(), **load.provenance())
 
 
-def write_table(preset: str, name: str, result: Mapping[str, Any], table: Sequence[dict]) -> None:
-    """``results/<preset>/<name>.json`` (the payload) and ``<name>.csv`` (``table``), atomically."""
-    import pandas as pd
-
-    from ..utils import atomic_write_json, atomic_write_text
-
-    out = paths.RESULTS / preset
-    atomic_write_json(out / f"{name}.json", result)
-    atomic_write_text(out / f"{name}.csv", pd.DataFrame(table).to_csv(index=False))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xpress.studies.table1", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="cpu")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="config overrides key=value (eval.repeats=3, ...)")
-    args = parser.parse_args(argv)
-    from ..config import load_config
-    from ..targets import load_target
-    from ..utils import seed_everything
-
-    cfg = load_config(args.preset, args.overrides)
-    seed_everything(cfg.seed)
-    target = load_target(cfg)
+    cfg, target, args = study_cli(argv, "python -m xpress.studies.table1", __doc__, "eval.repeats=3")
     result = run_table1(cfg, target, untrained_ok=cfg.target.source == "random", progress=not args.no_progress)
     avg = [r for r in result["summary"] if r["bench"] == "avg"]
     for r in avg:

@@ -17,8 +17,6 @@ up to floating-point reduction order.
 """
 from __future__ import annotations
 
-import csv
-import io
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -115,7 +113,7 @@ def tau_vs_k(cfg, target, methods: Sequence[str] = ("dflash", "markov", "xpress"
     from tqdm.auto import tqdm
 
     from ..methods import drafter_weights, make_drafter
-    from ..utils import atomic_write_json, atomic_write_text, provenance
+    from ..utils import provenance, write_result
     from .compare import benchmark_prompts
 
     p = cfg.drafter.block_size - 1
@@ -149,13 +147,7 @@ def tau_vs_k(cfg, target, methods: Sequence[str] = ("dflash", "markov", "xpress"
               "summary": summary, "passes": passes, "rows": rows,
               "provenance": provenance(cfg.preset, load_average_before=load_before, load_average_after=os.getloadavg())}
     if save:
-        out = paths.RESULTS / cfg.preset
-        atomic_write_json(out / "tau_vs_k.json", result)
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
-        atomic_write_text(out / "tau_vs_k.csv", buf.getvalue())
+        write_result(paths.RESULTS / cfg.preset, "tau_vs_k", result, summary)
     return result
 
 

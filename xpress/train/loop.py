@@ -267,16 +267,25 @@ def tau_by_decoding(target, drafter: ModelDrafter, prompts: list[list[int]], max
     return {"tau": tokens / max(1, steps), "tokens": tokens, "steps": steps, "prompts": len(prompts)}
 
 
+VAL_ANCHORS, VAL_BATCH = 16, 4  # teacher_forced_val's blocks: fixed, so runs of other shapes compare
+
+
 @torch.no_grad()
-def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=None) -> dict[str, float]:
+def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=None,
+                       rows: list[int] | None = None) -> dict[str, float]:
     """Teacher-forced acceptance on the WHOLE validation split (held-out regenerated sequences), with
     anchors drawn from a fixed generator so every evaluation scores the same blocks: ``tf_tau`` (the head's
     refined distribution, or the drafter's for ``dflash``), ``tf_tau_base`` (the drafter's) and the number
     of blocks. A low-noise training signal beside :func:`tau_by_decoding` (tens of thousands of positions
-    instead of a few prompts); it measures generalisation, which the training batches' ``tf_tau`` does not."""
-    rows = data.indices("val")
+    instead of a few prompts); it measures generalisation, which the training batches' ``tf_tau`` does not.
+    ``rows``: score these sequences instead (e.g. training ones, to measure the generalisation gap)."""
+    rows = data.indices("val") if rows is None else rows
     if not rows:
         return {}
+    from dataclasses import replace
+
+    # the same blocks whatever the training batch shape: VAL_ANCHORS anchors per sequence, fixed batch
+    cfg = replace(cfg, train=replace(cfg.train, anchors_per_seq=VAL_ANCHORS, batch_size=VAL_BATCH))
     was_training = module.training
     module.eval()
     gen = torch.Generator().manual_seed(cfg.seed + 7919)
