@@ -122,12 +122,23 @@ def test_prompts_needed_from_the_per_prompt_spread():
     assert all(r["needed"] is None for r in prompts_needed(one))      # one prompt: no spread to speak of
 
 
-def test_load_record_warns_only_when_others_load_the_machine():
+def test_load_record_warns_only_when_others_load_the_machine(monkeypatch):
+    import xpress.utils
+
+    monkeypatch.setattr(xpress.utils, "other_cpu_use", lambda window=0.5: None)  # no /proc/stat: load average
     quiet = LoadRecord(before=0.2, own_load=2.0)
     assert quiet.stop(after=2.3) == [] and quiet.provenance()["busy"] is False
     busy = LoadRecord(before=0.2, own_load=2.0)
     (w,) = busy.stop(after=2.0 + 0.6 * usable_cpus())
     assert "busy" in w and busy.provenance()["busy"] is True
+    # measured use by other processes decides: a high load average of our own is not "busy", another job is
+    monkeypatch.setattr(xpress.utils, "other_cpu_use", lambda window=0.5: 0.0)
+    ours = LoadRecord.start()
+    assert ours.stop(after=2.0 + 0.6 * usable_cpus()) == [] and ours.provenance()["other_cpus"] == [0.0, 0.0]
+    monkeypatch.setattr(xpress.utils, "other_cpu_use", lambda window=0.5: 0.6 * usable_cpus())
+    other = LoadRecord.start()
+    (w,) = other.stop(after=0.1)
+    assert "other processes kept" in w and other.provenance()["busy"] is True
 
 
 def test_decode_interleaved_needs_ar_first(target):
