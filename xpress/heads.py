@@ -20,17 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .readout import Readout
 from .vocab import DraftVocab
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
-PACK_ROWS = 16  # the batch the readout weight is reordered for (a Jacobi pass reads out <= P rows per block)
-
-
-def _packable(z: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :meth:`XPressRefiner.readout` may use the oneDNN path: CPU float32, no autograd, oneDNN built."""
-    return (z.device.type == "cpu" and z.dtype == torch.float32 and w.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (z.requires_grad or w.requires_grad))
-            and torch.backends.mkldnn.is_available())
 
 
 class XPressRefiner(nn.Module):
@@ -67,8 +60,7 @@ class XPressRefiner(nn.Module):
         nn.init.zeros_(self.w_r.weight)
         self._table_key: tuple | None = None
         self._table: torch.Tensor | None = None
-        self._packed_key: tuple | None = None
-        self._packed: torch.Tensor | None = None  # W_r reordered for oneDNN (readout), CPU float32 only
+        self.read = Readout()  # inference readout of W_r (packed copies, certified argmax)
 
     def config(self) -> dict:
         """Constructor arguments (besides the vocabulary), for ``head.json``."""
@@ -80,34 +72,20 @@ class XPressRefiner(nn.Module):
         eye = torch.eye(self.positions, dtype=self.mix.dtype, device=self.mix.device)
         return eye + self.mix.tril(-1)
 
+    def trans(self, c: torch.Tensor) -> torch.Tensor:
+        """Trans (Eq. 7): c [..., r] -> z [..., r]."""
+        return c + self.w_2(ACTIVATIONS[self.activation](self.w_1(c)))
+
     def trans_read(self, c: torch.Tensor, packed: bool = False) -> torch.Tensor:
         """Trans then Read (Eq. 7-8): c [..., r] -> delta [..., Vd] (float32). ``packed``: the readout
         through :meth:`readout` (inference)."""
-        z = c + self.w_2(ACTIVATIONS[self.activation](self.w_1(c)))
+        z = self.trans(c)
         return (self.readout(z) if packed else self.w_r(z)).float()
 
     def readout(self, z: torch.Tensor) -> torch.Tensor:
-        """``W_r z`` for inference: z [..., r] -> [..., Vd]. On the CPU in float32 without autograd, through
-        a oneDNN copy of ``W_r`` reordered once for small batches (kept until the weight changes, as
-        :meth:`token_table`): ~1.5x faster than the plain GEMM for the 1-15 rows of a Jacobi pass. The
-        same product in float32, to rounding (a different blocking of the r-sum). Elsewhere, ``w_r(z)``."""
-        w = self.w_r.weight
-        if not _packable(z, w):
-            return self.w_r(z)
-        key = (w.data_ptr(), w._version)
-        if key != self._packed_key:
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
-            except (RuntimeError, AttributeError):
-                self._packed = None
-            self._packed_key = key
-        if self._packed is None:
-            return self.w_r(z)
-        flat = z.reshape(-1, z.shape[-1])
-        if flat.shape[0] == 0:
-            return self.w_r(z)
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self._packed, None, "none", [], "")
-        return out.view(*z.shape[:-1], out.shape[-1])
+        """``W_r z`` for inference: z [..., r] -> [..., Vd] float32 (:meth:`xpress.readout.Readout.logits`:
+        a oneDNN copy of ``W_r`` on the CPU without autograd, ``w_r(z)`` elsewhere)."""
+        return self.read.logits(self.w_r.weight, z)
 
     def forward(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Teacher-forced correction for all positions at once: h [b, P, H], prev [b, P] target ids
@@ -162,11 +140,11 @@ class FoldedRefiner:
     mixer: torch.Tensor
     table: torch.Tensor
 
-    def __call__(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
-                 lo: int = 0) -> torch.Tensor:
-        """delta for the batch ``rows`` [n] (default all) from prev [n, P] target ids: [n, P, Vd]; only
-        positions ``lo .. P-1``: [n, P-lo, Vd]; or only position ``k`` (0-based, reading ``prev[:, :k+1]``):
-        [n, Vd]. A pass is a gather of the folded table, one mixing contraction, Trans and the readout."""
+    def latent(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
+               lo: int = 0) -> torch.Tensor:
+        """The readout's input ``z`` (after Trans) for the batch ``rows`` [n] (default all) from prev [n, P]
+        target ids: [n, P, r]; only positions ``lo .. P-1``: [n, P-lo, r]; or only position ``k`` (0-based,
+        reading ``prev[:, :k+1]``): [n, r]. A gather of the folded table, one mixing contraction, Trans."""
         base = self.base if rows is None else self.base[rows]
         idx = self.head.vocab.input_index(prev)
         if k is None:
@@ -174,7 +152,18 @@ class FoldedRefiner:
             c = base[:, lo:] + torch.einsum("dkj,njd->nkd", self.mixer[:, lo:], e)  # [n, P-lo, r]
         else:
             c = base[:, k] + torch.einsum("dj,njd->nd", self.mixer[:, k, :k + 1], self.table[idx[:, :k + 1]])
-        return self.head.trans_read(c, packed=True)
+        return self.head.trans(c)
+
+    def __call__(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
+                 lo: int = 0) -> torch.Tensor:
+        """delta (the readout of :meth:`latent`): [n, P, Vd], [n, P-lo, Vd] or [n, Vd]."""
+        return self.head.readout(self.latent(prev, rows, k, lo))
+
+    def choose(self, prev: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
+               k: int | None = None, lo: int = 0) -> torch.Tensor:
+        """The argmax of ``base + delta`` (T=0) without materialising float32 logits where the certified
+        readout applies (:mod:`xpress.readout`): base [n, P-lo, Vd] or [n, Vd] -> tokens [n, P-lo] or [n]."""
+        return self.head.read.argmax(self.head.w_r.weight, self.latent(prev, rows, k, lo), base)
 
 
 class MarkovHead(nn.Module):
@@ -194,6 +183,7 @@ class MarkovHead(nn.Module):
         self.w_1 = nn.Embedding(vocab.size + 1, rank)
         self.w_2 = nn.Linear(rank, vocab.size, bias=False)
         nn.init.zeros_(self.w_2.weight)
+        self.read = Readout()  # inference readout of W2 (packed copies, certified argmax)
 
     def config(self) -> dict:
         return {"rank": self.rank}
@@ -202,11 +192,43 @@ class MarkovHead(nn.Module):
         """prev [b, n] target ids -> bias [b, n, Vd] (float32), each row from its own previous token."""
         return self.w_2(self.w_1(self.vocab.input_index(prev))).float()
 
+    def latent(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
+               lo: int = 0) -> torch.Tensor:
+        """The readout's input ``W1[x_{k-1}]``: prev [n, P] -> [n, P-lo, r], or only position ``k``: [n, r]
+        (``rows`` is irrelevant: the head has no per-block state)."""
+        return self.w_1(self.vocab.input_index(prev[:, lo:] if k is None else prev[:, k]))
+
     def bias(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
              lo: int = 0) -> torch.Tensor:
         """The same correction interface as :class:`FoldedRefiner`: prev [n, P] -> [n, P-lo, Vd], or only
-        position ``k``: [n, Vd] (``rows`` is irrelevant: the head has no per-block state)."""
-        return self(prev[:, lo:]) if k is None else self(prev[:, k])
+        position ``k``: [n, Vd], through the inference readout (:class:`xpress.readout.Readout`)."""
+        return self.read.logits(self.w_2.weight, self.latent(prev, rows, k, lo))
+
+    def choose(self, prev: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
+               k: int | None = None, lo: int = 0) -> torch.Tensor:
+        """As :meth:`FoldedRefiner.choose`: the argmax of ``base + bias`` at T=0."""
+        return self.read.argmax(self.w_2.weight, self.latent(prev, rows, k, lo), base)
+
+    def fold(self, h: torch.Tensor | None = None) -> "MarkovCorrection":
+        """The inference correction for a batch of blocks, as :meth:`XPressRefiner.fold` (the head has no
+        per-block state: ``h`` is not read)."""
+        return MarkovCorrection(self)
+
+
+@dataclass
+class MarkovCorrection:
+    """A :class:`MarkovHead` as a correction for :func:`xpress.jacobi.corrected_logits`: called, its
+    :meth:`MarkovHead.bias`; :meth:`choose`, its T=0 argmax."""
+
+    head: MarkovHead
+
+    def __call__(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
+                 lo: int = 0) -> torch.Tensor:
+        return self.head.bias(prev, rows, k, lo)
+
+    def choose(self, prev: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
+               k: int | None = None, lo: int = 0) -> torch.Tensor:
+        return self.head.choose(prev, base, rows, k, lo)
 
 
 # ------------------------------------------------------------------------------------------ analysis

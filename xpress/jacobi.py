@@ -10,7 +10,10 @@ ids for the blocks ``rows`` [n] int64 of the batch; with ``k=None`` all position
 (one parallel pass); with ``k`` (0-based) only position ``k``, [n, Vd]; with the keyword ``lo`` (used by
 :func:`jacobi_refine` when ``lo > 0``) only positions ``lo .. P-1``, [n, P-lo, Vd]. Position ``k`` must
 depend on the tokens only through ``prev[:, :k+1]`` (Proposition 1); :func:`corrected_logits` builds one
-from base logits and a head's correction.
+from base logits and a head's correction. An optional attribute ``logits_fn.argmax`` with the same
+arguments returns the T=0 tokens (the argmax of those logits) directly; refinement at T=0 then never asks
+for the logits (:mod:`xpress.readout`: at a large vocabulary the argmax reads a bfloat16 readout and
+recomputes only the few candidates that could win in float32).
 
 Incremental passes. By causality a position's logits change only when its prefix changes: if a pass
 changed no token before position ``m``, the logits of positions ``0 .. m`` are those of the previous pass.
@@ -31,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from .readout import argmax_last
 from .vocab import DraftVocab
 
 LogitsFn = Callable[..., torch.Tensor]
@@ -69,27 +73,6 @@ def block_noise(base_logits: torch.Tensor, temperature: float, generator: torch.
     return noise
 
 
-ARGMAX_CHUNK = 256  # vocabulary chunk of :func:`argmax_last` (CPU)
-
-
-def argmax_last(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
-    """``x.argmax(-1)``, exactly (first index on ties, NaN counts as the maximum): x [..., V] -> [...] int64.
-
-    On the CPU a long last dimension is reduced in two stages, the maxima of ``chunk``-wide slices (a
-    vectorised ``amax``), then the first slice holding the overall maximum and the first index inside it;
-    several times faster than ``argmax`` over a 150k vocabulary. Elsewhere, ``argmax`` itself."""
-    v = x.shape[-1]
-    if x.device.type != "cpu" or v < 4 * chunk or x.dtype not in (torch.float32, torch.float64):
-        return x.argmax(-1)
-    n = v // chunk
-    peaks = x[..., :n * chunk].unflatten(-1, (n, chunk)).amax(-1)  # [..., n]
-    if n * chunk < v:
-        peaks = torch.cat([peaks, x[..., n * chunk:].amax(-1, keepdim=True)], dim=-1)  # the short tail slice
-    first = peaks.argmax(-1, keepdim=True) * chunk  # [..., 1]: start of the first slice holding the maximum
-    idx = (first + torch.arange(chunk, device=x.device)).clamp_max(v - 1)  # a clamped tail repeats its last entry
-    return (first + x.gather(-1, idx).argmax(-1, keepdim=True)).squeeze(-1)
-
-
 def select(logits: torch.Tensor, temperature: float, noise: torch.Tensor | None) -> torch.Tensor:
     """logits [..., Vd] -> tokens [...]: argmax at T=0 (first index on ties), else the Gumbel-max sample
     ``argmax(logits / T + noise)`` of ``softmax(logits / T)``."""
@@ -109,14 +92,30 @@ def prev_tokens(anchor: torch.Tensor, tokens: torch.Tensor, vocab: DraftVocab | 
 
 def corrected_logits(base_logits: torch.Tensor, correction: Callable[..., torch.Tensor]) -> LogitsFn:
     """The ``logits_fn`` ``s + delta`` for base logits [b, P, Vd] and a head's correction
-    (``FoldedRefiner`` or ``MarkovHead.bias``: ``(prev, rows, k, lo=0) -> delta``, a new tensor, to which
-    ``s`` is added in place: the [n, P, Vd] logits are materialised once)."""
+    (``XPressRefiner.fold(h)``, ``MarkovHead.fold()`` or any ``(prev, rows, k, lo=0) -> delta``, a new
+    tensor, to which ``s`` is added in place: the [n, P, Vd] logits are materialised once).
+
+    When the correction has ``choose(prev, base, rows, k, lo)`` (the heads' folds), the function also
+    carries ``logits_fn.argmax(prev, rows, k=None, lo=0)``: the tokens ``argmax(s + delta)`` [n, P-lo] or
+    [n], which :func:`jacobi_refine` and :func:`sequential_refine` use at T=0 (through the certified
+    readout of :mod:`xpress.readout` at large vocabularies: the same tokens, without float32 logits)."""
+    def base_of(rows: torch.Tensor, k: int | None, lo: int) -> torch.Tensor:
+        if k is not None:
+            return base_logits[rows, k]
+        one = base_logits.shape[0] == 1 and rows.numel() == 1  # the only block: a view, no gathered copy
+        return base_logits[:, lo:] if one else base_logits[rows, lo:]
+
     def logits_fn(prev: torch.Tensor, rows: torch.Tensor, k: int | None = None, lo: int = 0) -> torch.Tensor:
         if k is not None:
-            return correction(prev, rows, k).add_(base_logits[rows, k])
+            return correction(prev, rows, k).add_(base_of(rows, k, lo))
         delta = correction(prev, rows, k) if lo == 0 else correction(prev, rows, k, lo=lo)
-        one = base_logits.shape[0] == 1 and rows.numel() == 1  # the only block: a view, no gathered copy
-        return delta.add_(base_logits[:, lo:] if one else base_logits[rows, lo:])
+        return delta.add_(base_of(rows, k, lo))
+
+    choose = getattr(correction, "choose", None)
+    if choose is not None:
+        def argmax(prev: torch.Tensor, rows: torch.Tensor, k: int | None = None, lo: int = 0) -> torch.Tensor:
+            return choose(prev, base_of(rows, k, lo), rows, k, lo)
+        logits_fn.argmax = argmax
     return logits_fn
 
 
@@ -197,10 +196,14 @@ def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor
     if work.numel() == 0:
         return torch.zeros(active.shape, dtype=torch.bool, device=y.device)
     lo = int(start[work].min())
-    logits = logits_fn(prev_tokens(anchor[work], y[work], vocab), work, lo=lo) if lo else \
-        logits_fn(prev_tokens(anchor[work], y[work], vocab), work)  # [n, P-lo, Vd]
+    prev = prev_tokens(anchor[work], y[work], vocab)
+    choose = getattr(logits_fn, "argmax", None) if drawn_from is None and temperature <= 0 else None
+    if choose is not None:  # T=0: the tokens alone
+        logits, new = None, choose(prev, work, lo=lo)  # [n, P-lo]
+    else:
+        logits = logits_fn(prev, work, lo=lo) if lo else logits_fn(prev, work)  # [n, P-lo, Vd]
+        new = select(logits, temperature, None if noise is None else noise[work, lo:])
     old = y[work, lo:]  # [n, P-lo]
-    new = select(logits, temperature, None if noise is None else noise[work, lo:])
     kept = torch.arange(lo, p, device=y.device) < start[work, None]  # [n, P-lo]: logits still valid
     same_start = bool((start[work] == lo).all())  # then no position of the call is kept (always at b = 1)
     if not same_start:
@@ -226,7 +229,11 @@ def sequential_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: to
     y = torch.zeros(b, p, dtype=torch.int64, device=base_logits.device)  # positions >= k are not read at k
     q = None if noise is None else torch.zeros_like(base_logits, dtype=torch.float32)
     rows = torch.arange(b, device=base_logits.device)
+    choose = getattr(logits_fn, "argmax", None) if noise is None else None
     for k in range(p):
+        if choose is not None:  # T=0: the tokens alone
+            y[:, k] = choose(prev_tokens(anchor, y, vocab), rows, k)
+            continue
         logits = logits_fn(prev_tokens(anchor, y, vocab), rows, k)  # [b, Vd]
         y[:, k] = select(logits, temperature, None if noise is None else noise[:, k])
         if q is not None:

@@ -122,7 +122,7 @@ class ModelDrafter:
             q = None if noise is None else distribution(base, temperature)
             return RefineResult(select(base, temperature, noise), q,
                                 torch.zeros(base.shape[0], dtype=torch.int64, device=base.device))
-        correction = self.head.fold(h) if self.method == "xpress" else self.head.bias
+        correction = self.head.fold(h)
         logits_fn = corrected_logits(base, correction)
         if self.method == "markov" or self.refine == "sequential":
             return sequential_refine(logits_fn, base, anchor, temperature, generator, vocab=self.vocab)

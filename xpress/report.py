@@ -128,8 +128,8 @@ def _latency_section(lat: dict) -> list[str]:
     if isinstance(lat, dict) and lat.get("shape_sets"):  # notebook 05's layout (xpress.studies.latency)
         from .studies.latency import latency_rows
 
-        rows = [r for r in latency_rows(lat) if r["component"] == "markov" or r["component"].startswith(
-                ("xpress K=", "target", "drafter forward"))]
+        rows = [r for r in latency_rows(lat) if r["component"].startswith(
+                ("markov", "xpress K=", "target", "drafter forward"))]
     else:
         rows = records(lat)
     if not rows:
@@ -141,6 +141,14 @@ def _latency_section(lat: dict) -> list[str]:
     for r in rows:
         out.append("| " + " | ".join(_num(r.get(c), ".4g") if isinstance(r.get(c), float) else str(r.get(c, "-"))
                                      for c in cols) + " |")
+    out.append("")
+    for name, s in (lat.get("shape_sets") or {}).items() if isinstance(lat, dict) else ():
+        if s.get("markov_over_xpress_k4"):
+            line = (f"- {name}: Markov decode / xPress K=4 = {s['markov_over_xpress_k4']:.2f}x "
+                    f"(readout: {s.get('readout', 'float32')})")
+            if s.get("markov_float32_over_xpress_k4"):
+                line += f"; with the Markov head on its float32 readout, {s['markov_float32_over_xpress_k4']:.2f}x"
+            out.append(line)
     return out + [""]
 
 

@@ -20,6 +20,13 @@ for the block. ``markov`` is :func:`xpress.jacobi.sequential_refine` with the Ma
 steps. On CUDA, ``graph`` variants replay a captured CUDA graph of a fixed-K dense rollout and of the
 Markov decode (no host synchronisation inside), with the pass optionally compiled by ``torch.compile``.
 
+Readout. Both heads read out through :class:`xpress.readout.Readout`: at T=0 and a vocabulary of at
+least ``FAST_MIN_VOCAB`` on a CPU with a bfloat16 GEMM (the paper's shapes here), the certified argmax
+(a bfloat16 readout, the few tokens that could win recomputed in float32; the same tokens). Then
+``markov (float32 readout)`` and ``xpress K=4 (float32 readout)`` are also timed, the tokens compared
+(``checks``), and ``markov_float32_over_xpress_k4`` is the Markov decode with its float32 readout over
+xPress with the certified one; ``markov_over_xpress_k4`` compares the two with the same readout.
+
     from xpress.studies.latency import run_latency
     result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
 
@@ -262,7 +269,7 @@ def refine_xpress(block: Block, k: int, init: torch.Tensor | None = None, increm
 
 def refine_markov(block: Block):
     """The Markov head's P serial steps: a RefineResult."""
-    return sequential_refine(corrected_logits(block.base, block.markov.bias), block.base, block.anchor,
+    return sequential_refine(corrected_logits(block.base, block.markov.fold()), block.base, block.anchor,
                              vocab=block.vocab)
 
 
@@ -397,6 +404,19 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         work["xpress dense K=4"] = count_work(block, 4, seed_block, incremental=False)
         checks = {"incremental equals dense (K=4 tokens)": bool(torch.equal(
             refine_xpress(block, 4, seed_block).tokens, refine_xpress(block, 4, seed_block, False).tokens))}
+        fast = block.refiner.read.use_fast(block.refiner.w_r.weight, torch.zeros(1, shapes.rank, device=dev))
+        if fast:  # the same two with the float32 readout, and the tokens compared
+            say(f"{shapes.name}: Markov head and xpress K=4 with the float32 readout")
+            tokens = {"markov": refine_markov(block).tokens, "xpress": refine_xpress(block, 4, seed_block).tokens}
+            block.refiner.read.fast = block.markov.read.fast = False
+            try:
+                t["markov (float32 readout)"] = time_call(lambda: refine_markov(block), rep, warm, dev)
+                t["xpress K=4 (float32 readout)"] = time_call(lambda: refine_xpress(block, 4, seed_block), rep, warm, dev)
+                checks["certified readout equals float32 (Markov, K=4 tokens)"] = bool(
+                    torch.equal(tokens["markov"], refine_markov(block).tokens)
+                    and torch.equal(tokens["xpress"], refine_xpress(block, 4, seed_block).tokens))
+            finally:
+                block.refiner.read.fast = block.markov.read.fast = None
         if dev.type == "cuda" and lc.cuda_graphs:
             t.update(_graph_timings(block, lc, seed_block, checks, say))
     if target_model is not None:
@@ -404,8 +424,12 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         t.update(time_target(target_model, shapes, lc))
     markov = t["markov"]["median_ms"]
     ratios = {name: v["median_ms"] / markov for name, v in t.items()}
+    k4 = t["xpress K=4"]["median_ms"] if "xpress K=4" in t else None
+    f32 = t.get("markov (float32 readout)")
     return {"shapes": asdict(shapes), "timings": t, "work": work, "ratios": ratios,
-            "markov_over_xpress_k4": markov / t["xpress K=4"]["median_ms"] if "xpress K=4" in t else None,
+            "readout": "certified bfloat16 argmax (xpress.readout)" if fast else "float32",
+            "markov_over_xpress_k4": markov / k4 if k4 else None,
+            "markov_float32_over_xpress_k4": f32["median_ms"] / k4 if f32 and k4 else None,
             "composition": composition(t, shapes), "checks": checks}
 
 
@@ -445,7 +469,8 @@ def composition(t: dict[str, dict[str, float]], shapes: Shapes) -> dict[str, dic
     verify = t.get(f"target verify ({shapes.block_size} tokens)")
     drafting = t["drafter forward"]["median_ms"] + t["base readout"]["median_ms"]
     methods = {"dflash": 0.0, "markov": t["markov"]["median_ms"]}
-    methods.update({name: v["median_ms"] for name, v in t.items() if name.startswith("xpress K=") or name == "xpress adaptive"})
+    methods.update({name: v["median_ms"] for name, v in t.items()
+                    if (name.startswith("xpress K=") and "(" not in name) or name == "xpress adaptive"})
     out = {}
     for name, refine in methods.items():
         draft = drafting + refine
@@ -507,7 +532,7 @@ def latency_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for set_name, s in result["shape_sets"].items():
         for name, v in s["timings"].items():
-            k = int(name.split("K=")[1]) if "K=" in name else None
+            k = int(name.split("K=")[1].split()[0]) if "K=" in name else None
             w = s["work"].get(name, {})
             rows.append({"shapes": set_name, "component": name, "K": k, "median_ms": v["median_ms"],
                          "q1_ms": v["q1_ms"], "q3_ms": v["q3_ms"], "iqr_ms": v["iqr_ms"],
@@ -536,7 +561,7 @@ def plot_latency(result: dict[str, Any]):
     sets = list(result["shape_sets"])
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 3.8), squeeze=False)
     for ax, name in zip(axes[0], sets):
-        d = df[(df.shapes == name) & df.component.str.startswith("xpress K=")]
+        d = df[(df.shapes == name) & df.component.str.fullmatch(r"xpress K=\d+")]
         sns.lineplot(data=d, x="K", y="median_ms", marker="o", ax=ax, label="xPress, K Jacobi passes")
         ax.errorbar(d.K, d.median_ms, yerr=[d.median_ms - d.q1_ms, d.q3_ms - d.median_ms], fmt="none", c="C0")
         g = df[(df.shapes == name) & df.component.str.startswith("xpress graph K=")]
@@ -546,6 +571,9 @@ def plot_latency(result: dict[str, Any]):
         p = result["shape_sets"][name]["shapes"]["block_size"] - 1
         ax.axhline(m["median_ms"], c="C3", ls="--", label=f"Markov head ({p} serial steps)")
         ax.axhspan(m["q1_ms"], m["q3_ms"], color="C3", alpha=0.15)
+        m32 = result["shape_sets"][name]["timings"].get("markov (float32 readout)")
+        if m32:  # the certified readout was used: the Markov decode with its float32 readout too
+            ax.axhline(m32["median_ms"], c="C3", ls=":", label="Markov head, float32 readout")
         ax.set_title(result["shape_sets"][name]["shapes"]["name"])
         ax.set_xlabel("K (Jacobi passes)")
         ax.set_ylabel("ms per block")
