@@ -94,6 +94,8 @@ class Readout:
         self._packed: torch.Tensor | None = None  # W reordered for oneDNN, float32
         self._packed_bf16: torch.Tensor | None = None  # bf16(W) reordered for oneDNN
         self._w_norm_max: float = 0.0  # max_v ||w_v||_2
+        self.rows_certified = 0  # rows resolved by the certified argmax so far, and
+        self.candidates = 0  # the float32 candidates they recomputed (their ratio: the pruning achieved)
 
     # ----------------------------------------------------------------------------------- caches
     def _refresh(self, w: torch.Tensor) -> None:
@@ -174,6 +176,8 @@ class Readout:
         cols = (pair[:, 1:] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK)).clamp_max(v - 1)  # [M, C]
         hit = (approx[rows[:, None], cols] >= threshold[rows, None]).nonzero()  # [K, 2]: (pair, offset)
         cand_row, cand_tok = rows[hit[:, 0]], cols[hit[:, 0], hit[:, 1]]  # [K], [K]
+        self.rows_certified += n_rows
+        self.candidates += cand_row.numel()
         exact = (w[cand_tok] * z[cand_row]).sum(-1) + base[cand_row, cand_tok]  # float32 logits [K]
         if not bool(torch.isfinite(exact).all()):
             return argmax_last(self.logits(w, z).add_(base))

@@ -407,7 +407,12 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         fast = block.refiner.read.use_fast(block.refiner.w_r.weight, torch.zeros(1, shapes.rank, device=dev))
         if fast:  # the same two with the float32 readout, and the tokens compared
             say(f"{shapes.name}: Markov head and xpress K=4 with the float32 readout")
+            reads = (block.markov.read, block.refiner.read)
+            for r in reads:
+                r.rows_certified = r.candidates = 0
             tokens = {"markov": refine_markov(block).tokens, "xpress": refine_xpress(block, 4, seed_block).tokens}
+            checks["float32 candidates per row (Markov, xpress K=4)"] = [
+                round(r.candidates / max(r.rows_certified, 1), 1) for r in reads]
             block.refiner.read.fast = block.markov.read.fast = False
             try:
                 t["markov (float32 readout)"] = time_call(lambda: refine_markov(block), rep, warm, dev)
