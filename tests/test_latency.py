@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from xpress import paths
+from xpress.jacobi import corrected_logits, prev_tokens
 from xpress.studies.latency import (TINY, LatencyConfig, build_block, count_work, dense_rollout, latency_rows,
-                                    refine_xpress, run_latency, time_call)
+                                    pass_tokens, readout_alone, refine_xpress, run_latency, time_call)
 from xpress.studies.tau_k import acceptance, all_blocks, follow_rounds, prepare_replay, replay_method
 
 
@@ -39,6 +40,11 @@ def test_worst_case_block_runs_k_passes_and_theorem1_positions():
         assert dense["positions"] == dense["passes"] * p
     with torch.no_grad():
         assert torch.equal(dense_rollout(block, 3, seed), refine_xpress(block, 3, seed).tokens)
+        one, full = readout_alone(block, seed)  # each head's own T=0 readout: a pass's tokens, a step's token
+        assert torch.equal(full(), pass_tokens(block, block.refiner.fold(block.h), seed)[0])
+        markov = corrected_logits(block.base, block.markov.fold())
+        prev = prev_tokens(block.anchor, seed, block.vocab)
+        assert torch.equal(one(), markov(prev, torch.zeros(1, dtype=torch.int64), 0).argmax(-1))
 
 
 def test_run_latency_writes_results_with_provenance(tmp_path):
@@ -49,6 +55,9 @@ def test_run_latency_writes_results_with_provenance(tmp_path):
             "target step (1 token)", f"target verify ({TINY.block_size} tokens)"} <= set(s["timings"])
     assert s["ratios"]["markov"] == 1.0 and s["checks"]["incremental equals dense (K=4 tokens)"]
     assert 0 < s["composition"]["xpress K=4"]["draft_share"] < 1
+    p = TINY.positions
+    one, full = s["timings"]["markov readout (1 row)"]["median_ms"], s["timings"][f"xpress readout ({p} rows)"]["median_ms"]
+    assert s["readout_only_k4"] == pytest.approx(p * one / (4 * full))
     saved = json.loads((tmp_path / "latency.json").read_text())
     assert "load_average_after" in saved["provenance"] and saved["provenance"]["torch_threads"] >= 1
     assert (tmp_path / "latency.csv").read_text().splitlines()[0].startswith("shapes,component,K,median_ms")

@@ -94,3 +94,10 @@ def test_report_shows_table1_batched_and_break_even(results):
     assert "tau(xPress) / tau(dFlash) = 1.62" in text                             # 3.25 / 2.0, by hand
     assert "**Break-even tau on this machine**" in text and "Warning: busy" in text
     assert "| 4 | 40.0 (1.00x, tau 1.00) | 40.0 (1.00x, tau 1.00) |" in text
+    cell = {"tau_ratio": 1.1, "lo": 1.06, "hi": 1.14, "resolved": True}
+    write(results, "resolution", {"preset": "p", "benchmarks": ["a"], "temperatures": [0.0, 1.0], "rel": 0.05,
+                                  "prompts_per_benchmark": 24, "max_new_tokens": 8, "provenance": {}, "table": [
+                                      {**cell, "temperature": t, "baseline": "dflash", "bench": b}
+                                      for t in (0.0, 1.0) for b in ("a", "avg")]})
+    text = results_markdown("p", results)
+    assert "**tau on more prompts**" in text and "| 1 | dflash | 1.100 [1.060, 1.140] * |" in text

@@ -141,6 +141,8 @@ class EvalConfig:
     batched_prompts: int = 16  # the same prompts at every batch size (at least the largest batch)
     batched_max_new_tokens: int = 64
     batched_methods: list[str] = field(default_factory=lambda: ["dflash", "xpress"])  # AR is always measured
+    resolution_prompts: int = 32  # per benchmark, tau only, batched: enough to resolve a 5% tau ratio
+    resolution_batch_size: int = 16
 
 
 @dataclass
@@ -189,6 +191,8 @@ class Config:
         _check(self.eval.batched_prompts >= max(self.eval.batch_sizes or [1]) and self.eval.batched_max_new_tokens >= 1,
                f"eval.batched_prompts={self.eval.batched_prompts} must be at least the largest of eval.batch_sizes "
                f"and eval.batched_max_new_tokens at least 1")
+        _check(self.eval.resolution_prompts >= 1 and self.eval.resolution_batch_size >= 1,
+               "eval.resolution_prompts and eval.resolution_batch_size must be at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
         _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
                "data sizes must be >= 0")

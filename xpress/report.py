@@ -148,7 +148,30 @@ def _latency_section(lat: dict) -> list[str]:
                     f"(readout: {s.get('readout', 'float32')})")
             if s.get("markov_float32_over_xpress_k4"):
                 line += f"; with the Markov head on its float32 readout, {s['markov_float32_over_xpress_k4']:.2f}x"
+            if s.get("readout_only_k4"):
+                line += f"; the readouts alone (1 row per step, P rows per pass) would allow {s['readout_only_k4']:.2f}x"
             out.append(line)
+    return out + [""]
+
+
+def _resolution_section(res: dict) -> list[str]:
+    """tau ratios on many prompts (``resolution.json``): per temperature and baseline, the average and
+    per-benchmark intervals, and which are resolved at ``rel``."""
+    benches = list(res["benchmarks"]) + ["avg"]
+    cells = {(r["temperature"], r["baseline"], r["bench"]): r for r in res["table"]}
+    out = [f"**tau on more prompts** (`resolution.json`, `python -m xpress.studies.resolution --preset {res['preset']}` "
+           f"or notebook 04, section 4): {res['prompts_per_benchmark']} prompts per benchmark x {res['max_new_tokens']} "
+           f"new tokens, tau only (batched, no clock); tau(xPress) / tau(baseline) with its paired bootstrap 95% interval; "
+           f"resolved (*) when the interval's half-width is at most {res['rel']:.0%}; {_where(res['provenance'])}.", "",
+           "| T | baseline | " + " | ".join(benches) + " |", "|---" * (len(benches) + 2) + "|"]
+    for t in res["temperatures"]:
+        for base in ("dflash", "markov"):
+            row = [cells.get((float(t), base, b)) for b in benches]
+            if not any(row):
+                continue
+            out.append(f"| {t:g} | {base} | " + " | ".join(
+                "-" if c is None else f"{c['tau_ratio']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]{' *' if c['resolved'] else ''}"
+                for c in row) + " |")
     return out + [""]
 
 
@@ -178,6 +201,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     t1 = _load(folder, "table1.json")
     if t1:
         out += _table1_section(t1)
+    res = _load(folder, "resolution.json")
+    if res:
+        out += _resolution_section(res)
     ceiling = _load(folder, "oracle_ceiling.json")
     out += _break_even_section(folder, t1, ceiling)
     lat = _load(folder, "latency.json")

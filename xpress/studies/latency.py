@@ -26,6 +26,10 @@ least ``FAST_MIN_VOCAB`` on a CPU with a bfloat16 GEMM (the paper's shapes here)
 ``markov (float32 readout)`` and ``xpress K=4 (float32 readout)`` are also timed, the tokens compared
 (``checks``), and ``markov_float32_over_xpress_k4`` is the Markov decode with its float32 readout over
 xPress with the certified one; ``markov_over_xpress_k4`` compares the two with the same readout.
+``markov readout (1 row)`` and ``xpress readout (P rows)`` time each head's readout alone
+(:func:`readout_alone`): ``readout_only_k4 = P t(1) / (4 t(P))`` is the ratio four passes would reach
+against P serial steps if nothing but the readouts cost time, what remains of the ratio once the work
+around them (gathers, Trans, bookkeeping) is trimmed away.
 
     from xpress.studies.latency import run_latency
     result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
@@ -289,6 +293,20 @@ def count_work(block: Block, k: int, init: torch.Tensor | None, incremental: boo
     return {"passes": float(res.iters.float().mean()), "positions": float(sum(rows))}
 
 
+def readout_alone(block: Block, y: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """The T=0 readout of each decode alone (``Readout.argmax`` of ``s + W z``, on the block's own latents
+    from ``y`` [1, P]): the Markov head's for one row (what a serial step reads out) and the refiner's
+    for all P rows (a full Jacobi pass). ``P t(markov) / (K t(xpress))`` is the Markov / xPress ratio K
+    passes would reach if each decode cost only its readouts (``readout_only_k4``)."""
+    prev = prev_tokens(block.anchor, y, block.vocab)
+    with torch.no_grad():
+        z = block.refiner.fold(block.h).latent(prev)[0]  # [P, r]
+        zm = block.markov.latent(prev, k=0)  # [1, r]
+    base = block.base[0]  # [P, Vd]
+    mark, ref = block.markov, block.refiner
+    return (lambda: mark.read.argmax(mark.w_2.weight, zm, base[:1])), (lambda: ref.read.argmax(ref.w_r.weight, z, base))
+
+
 def dense_rollout(block: Block, k: int, y0: torch.Tensor, step: Callable | None = None) -> torch.Tensor:
     """``k`` dense Jacobi passes with no early stop and no host synchronisation (capturable in a CUDA
     graph): y0 [1, P] draft ids -> Y^(k) [1, P]. Equal to :func:`jacobi_refine` at ``max_iters = k`` from
@@ -422,6 +440,10 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
                     and torch.equal(tokens["xpress"], refine_xpress(block, 4, seed_block).tokens))
             finally:
                 block.refiner.read.fast = block.markov.read.fast = None
+        say(f"{shapes.name}: the readouts alone, Markov 1 row and xPress {p} rows")
+        one, full = readout_alone(block, seed_block)
+        t["markov readout (1 row)"] = time_call(one, rep, warm, dev)
+        t[f"xpress readout ({p} rows)"] = time_call(full, rep, warm, dev)
         if dev.type == "cuda" and lc.cuda_graphs:
             t.update(_graph_timings(block, lc, seed_block, checks, say))
     if target_model is not None:
@@ -431,10 +453,12 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
     ratios = {name: v["median_ms"] / markov for name, v in t.items()}
     k4 = t["xpress K=4"]["median_ms"] if "xpress K=4" in t else None
     f32 = t.get("markov (float32 readout)")
+    one, full = t["markov readout (1 row)"]["median_ms"], t[f"xpress readout ({p} rows)"]["median_ms"]
     return {"shapes": asdict(shapes), "timings": t, "work": work, "ratios": ratios,
             "readout": "certified bfloat16 argmax (xpress.readout)" if fast else "float32",
             "markov_over_xpress_k4": markov / k4 if k4 else None,
             "markov_float32_over_xpress_k4": f32["median_ms"] / k4 if f32 and k4 else None,
+            "readout_only_k4": p * one / (4 * full),
             "composition": composition(t, shapes), "checks": checks}
 
 
