@@ -33,7 +33,7 @@ def table1_file(folder):
 
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
-    assert drawn == [] and set(missing) == {"training_curves", "table1", "tau_vs_k", "latency", "batched"}
+    assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -47,8 +47,12 @@ def test_every_figure_from_synthetic_files(results):
                                           "bookkeeping_s": 0.001} for m in ("dflash", "xpress")]})
     write(results, "train_xpress", {"log": [{"step": s, "refined_l1": 1.0 / (s + 1), "tf_tau": 1 + s / 10}
                                             for s in (0, 10, 20)]})
+    write(results, "resolution", {"rel": 0.05, "prompts_per_benchmark": 3, "table": [
+        {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
+        for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
     drawn, missing = draw_all("p")
-    assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "tau_vs_k", "latency", "batched"]
+    assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
+                                                         "latency", "batched"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0

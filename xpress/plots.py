@@ -294,8 +294,49 @@ def draw_batched(preset: str) -> Drawn | None:
                  f"every batch size in one run. Data: batched.json, from {result.get('command', 'notebook 06')}.")
 
 
-DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "tau_vs_k": draw_tau_vs_k,
-           "latency": draw_latency, "batched": draw_batched}
+def plot_resolution(result: dict):
+    """tau(xPress) / tau(baseline) per benchmark and on average with its 95% interval, one panel per
+    temperature, one colour per baseline; lines at 1 (no difference) and 1 +- ``rel`` (the difference to
+    resolve)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.DataFrame(result["table"])
+    rel = result.get("rel", 0.05)
+    benches = list(dict.fromkeys(df["bench"]))
+    temps = sorted(df["temperature"].unique())
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 0.5 * len(benches) + 2.2), squeeze=False,
+                             sharey=True)
+    for ax, t in zip(axes[0], temps):
+        for i, (base, d) in enumerate(df[df["temperature"] == t].groupby("baseline", sort=False)):
+            y = [benches.index(b) + (i - 0.5) * 0.25 for b in d["bench"]]
+            ax.errorbar(d["tau_ratio"], y, xerr=[d["tau_ratio"] - d["lo"], d["hi"] - d["tau_ratio"]], fmt="o",
+                        c=f"C{i}", capsize=3, label=f"xPress / {base}")
+        ax.axvline(1.0, c="k", lw=1)
+        for x in (1 - rel, 1 + rel):
+            ax.axvline(x, c="grey", ls=":", lw=1)
+        ax.set_yticks(range(len(benches)), benches)
+        ax.invert_yaxis()
+        ax.set_title(f"T = {t:g}")
+        ax.set_xlabel("tau ratio (95% interval over prompts)")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_resolution(preset: str) -> Drawn | None:
+    result = load_result(preset, "resolution")
+    if not result or not result.get("table"):
+        return None
+    return Drawn("resolution", plot_resolution(result),
+                 f"tau(xPress) / tau(baseline) on {result.get('prompts_per_benchmark')} prompts per benchmark "
+                 f"(x {result.get('max_new_tokens')} new tokens, tau only, batched) with paired bootstrap 95% intervals "
+                 f"over prompts; dotted lines at 1 +- {result.get('rel', 0.05):.0%}, the difference to resolve. "
+                 f"Data: resolution.json, from {result.get('command', 'notebook 04')}.")
+
+
+DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
+           "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:
