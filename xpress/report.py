@@ -129,7 +129,7 @@ def _latency_section(lat: dict) -> list[str]:
         from .studies.latency import latency_rows
 
         rows = [r for r in latency_rows(lat) if r["component"].startswith(
-                ("markov", "xpress K=", "target", "drafter forward"))]
+                ("markov", "xpress K=", "xpress readout", "target", "drafter forward"))]
     else:
         rows = records(lat)
     if not rows:
