@@ -48,5 +48,5 @@ def test_resolution_on_the_smoke_target(cfg, target, tmp_path, monkeypatch):
     batched = [r for r in result["rows"] if r["temperature"] == 0 and r["method"] == "xpress"]
     assert [(r["id"], r["tokens"], r["steps"]) for r in alone] == [(r["id"], r["tokens"], r["steps"]) for r in batched]
     saved = json.loads((tmp_path / cfg.preset / "resolution.json").read_text())
-    assert saved["provenance"]["preset"] == cfg.preset and saved["prompts_per_benchmark"] == 2
+    assert saved["provenance"]["preset"] == cfg.preset and saved["prompts_per_benchmark"] == 2 and saved["seconds"] > 0
     assert (tmp_path / cfg.preset / "resolution.csv").read_text().startswith("temperature,bench,baseline")

@@ -162,7 +162,8 @@ def _resolution_section(res: dict) -> list[str]:
     out = [f"**tau on more prompts** (`resolution.json`, `python -m xpress.studies.resolution --preset {res['preset']}` "
            f"or notebook 04, section 4): {res['prompts_per_benchmark']} prompts per benchmark x {res['max_new_tokens']} "
            f"new tokens, tau only (batched, no clock); tau(xPress) / tau(baseline) with its paired bootstrap 95% interval; "
-           f"resolved (*) when the interval's half-width is at most {res['rel']:.0%}; {_where(res['provenance'])}.", "",
+           f"resolved (*) when the interval's half-width is at most {res['rel']:.0%}"
+           + (f"; {res['seconds'] / 60:.0f} min" if res.get("seconds") else "") + f"; {_where(res['provenance'])}.", "",
            "| T | baseline | " + " | ".join(benches) + " |", "|---" * (len(benches) + 2) + "|"]
     for t in res["temperatures"]:
         for base in ("dflash", "markov"):

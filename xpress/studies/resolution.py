@@ -23,6 +23,7 @@ prompts per benchmark a 5% difference would need (:func:`xpress.studies.table1.p
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Sequence
 
 from .. import paths
@@ -112,6 +113,7 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
     batch_size = batch_size or e.resolution_batch_size
     temperature = temperature or e.sampling_temperature
     load = LoadRecord.start()
+    t0 = time.perf_counter()
     drafters = make_drafters(cfg, target, methods, untrained_ok)
     drafters.pop("ar")  # tau of AR is 1 by definition; nothing here is timed
     prompts = benchmark_prompts(cfg, target, per_benchmark)
@@ -128,7 +130,7 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
               "max_new_tokens": max_new_tokens, "batch_size": batch_size, "temperatures": [0.0, temperature],
               "seed": cfg.seed, "rel": REL, "bootstrap_resamples": e.bootstrap,
               "taus": method_taus(rows), "table": table, "prompts_needed": prompts_needed(rows, REL),
-              "warnings": warnings,
+              "warnings": warnings, "seconds": time.perf_counter() - t0,
               "command": f"python -m xpress.studies.resolution --preset {cfg.preset}  (or notebook 04)",
               "rows": rows, "provenance": _provenance(cfg, load)}
     if save:
