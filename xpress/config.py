@@ -141,7 +141,7 @@ class EvalConfig:
     batched_prompts: int = 16  # the same prompts at every batch size (at least the largest batch)
     batched_max_new_tokens: int = 64
     batched_methods: list[str] = field(default_factory=lambda: ["dflash", "xpress"])  # AR is always measured
-    resolution_prompts: int = 32  # per benchmark, tau only, batched: enough to resolve a 5% tau ratio
+    resolution_prompts: int = 32  # per benchmark, tau only, batched (notebook 04 section 4, studies.resolution)
     resolution_batch_size: int = 16
 
 
