@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_latency("paper", [args.shapes], lc, out_dir=args.out_dir, results_name=args.name)
     s = result["shape_sets"][args.shapes]
     summary = {"seconds": round(time.perf_counter() - t0, 1), "markov_over_xpress_k4": s["markov_over_xpress_k4"],
+               "paired": s["paired"],
                "median_ms": {k: round(v["median_ms"], 4) for k, v in s["timings"].items()}, "checks": s["checks"]}
     print(json.dumps(summary, indent=2))
     return 0

@@ -153,7 +153,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({name: {"markov_over_xpress_k4": s["markov_over_xpress_k4"],
+    print(json.dumps({name: {"markov_over_xpress_k4": s["markov_over_xpress_k4"], "paired": s["paired"],
                              **{k: round(v["median_ms"], 3) for k, v in s["timings"].items()}}
                       for name, s in result["shape_sets"].items()}, indent=2))
     return 0

@@ -144,12 +144,19 @@ def _latency_section(lat: dict) -> list[str]:
     out.append("")
     for name, s in (lat.get("shape_sets") or {}).items() if isinstance(lat, dict) else ():
         if s.get("markov_over_xpress_k4"):
-            line = (f"- {name}: Markov decode / xPress K=4 = {s['markov_over_xpress_k4']:.2f}x "
+            paired = s.get("paired") or {}
+
+            def ratio(key: str) -> str:
+                p = paired.get(key)
+                spread = f" (range {p['min']:.2f}-{p['max']:.2f} over {len(p['rounds'])} rounds)" if p else ""
+                return f"{s[key]:.2f}x{spread}"
+            line = (f"- {name}: Markov decode / xPress K=4 = {ratio('markov_over_xpress_k4')} "
                     f"(readout: {s.get('readout', 'float32')})")
             if s.get("markov_float32_over_xpress_k4"):
-                line += f"; with the Markov head on its float32 readout, {s['markov_float32_over_xpress_k4']:.2f}x"
+                line += f"; with the Markov head on its float32 readout, {ratio('markov_float32_over_xpress_k4')}"
             if s.get("readout_only_k4"):
-                line += f"; the readouts alone (1 row per step, P rows per pass) would allow {s['readout_only_k4']:.2f}x"
+                line += (f"; the readouts alone (1 row per step, P rows per pass) would allow "
+                         f"{ratio('readout_only_k4')}")
             out.append(line)
     return out + [""]
 

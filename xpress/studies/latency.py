@@ -31,6 +31,11 @@ xPress with the certified one; ``markov_over_xpress_k4`` compares the two with t
 against P serial steps if nothing but the readouts cost time, what remains of the ratio once the work
 around them (gathers, Trans, bookkeeping) is trimmed away.
 
+Headline ratios. These three are not read off the component timings (each component's repeats run back
+to back, so a slow spell of a shared machine can land on one side of a ratio): :func:`headline_ratios`
+measures each as ``lc.rounds`` paired rounds, the two sides timed one after the other in alternating
+order, and reports the median over the rounds with its range (``paired``).
+
     from xpress.studies.latency import run_latency
     result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
 
@@ -130,7 +135,8 @@ class LatencyConfig:
     """How to measure: ``ks`` Jacobi budgets, ``repeats`` timed calls per component (after ``warmup``),
     random weights of ``scale`` for the refiner (N(0, scale^2 / fan_in)), ``seed``, ``device``, ``dtype``
     of every module (the heads' logits are float32 whatever it is), ``target``: also time a random target
-    of these shapes (``True``) or not; ``cuda_graphs`` and ``compile``: the captured variants on CUDA."""
+    of these shapes (``True``) or not; ``cuda_graphs`` and ``compile``: the captured variants on CUDA;
+    ``rounds``: how many times each headline ratio is measured (:func:`paired_ratio`)."""
 
     ks: Sequence[int] = tuple(range(1, 9))
     repeats: int = 15
@@ -142,10 +148,13 @@ class LatencyConfig:
     target: bool = False
     cuda_graphs: bool = True
     compile: bool = False
+    rounds: int = 5
 
     def __post_init__(self) -> None:
         if self.repeats < 2 or self.warmup < 0:
             raise ValueError(f"repeats={self.repeats} must be >= 2 (for a spread) and warmup={self.warmup} >= 0")
+        if self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds}: the headline ratios need at least one round")
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"ks={list(self.ks)}: give Jacobi budgets >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -170,6 +179,24 @@ def time_call(fn: Callable[[], Any], repeats: int, warmup: int, device: torch.de
     q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return {"median_ms": med, "q1_ms": q1, "q3_ms": q3, "iqr_ms": q3 - q1, "mean_ms": statistics.fmean(samples),
             "repeats": repeats}
+
+
+def paired_ratio(num: Callable[[], Any], den: Callable[[], Any], rounds: int, repeats: int, warmup: int,
+                 device: torch.device | str, scale: float = 1.0) -> dict[str, Any]:
+    """``scale * t(num) / t(den)`` measured ``rounds`` times, each round timing the two back to back
+    (:func:`time_call` medians; the order alternates between rounds), so that a slow spell of the machine
+    lands on both sides of one value instead of on one component of the ratio. Returns the ``median``
+    over the rounds, its ``min`` and ``max``, and every round's value (``rounds``)."""
+    values = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            t_num = time_call(num, repeats, warmup, device)["median_ms"]
+            t_den = time_call(den, repeats, warmup, device)["median_ms"]
+        else:
+            t_den = time_call(den, repeats, warmup, device)["median_ms"]
+            t_num = time_call(num, repeats, warmup, device)["median_ms"]
+        values.append(scale * t_num / t_den)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
 
 def _fill_random_(module: nn.Module, std: float, generator: torch.Generator) -> nn.Module:
@@ -444,6 +471,8 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         one, full = readout_alone(block, seed_block)
         t["markov readout (1 row)"] = time_call(one, rep, warm, dev)
         t[f"xpress readout ({p} rows)"] = time_call(full, rep, warm, dev)
+        say(f"{shapes.name}: the headline ratios, {lc.rounds} paired rounds")
+        paired = headline_ratios(block, lc, seed_block, fast, one, full)
         if dev.type == "cuda" and lc.cuda_graphs:
             t.update(_graph_timings(block, lc, seed_block, checks, say))
     if target_model is not None:
@@ -451,15 +480,47 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         t.update(time_target(target_model, shapes, lc))
     markov = t["markov"]["median_ms"]
     ratios = {name: v["median_ms"] / markov for name, v in t.items()}
-    k4 = t["xpress K=4"]["median_ms"] if "xpress K=4" in t else None
-    f32 = t.get("markov (float32 readout)")
-    one, full = t["markov readout (1 row)"]["median_ms"], t[f"xpress readout ({p} rows)"]["median_ms"]
+    headline = {key: paired[key]["median"] if key in paired else None for key in HEADLINE}
     return {"shapes": asdict(shapes), "timings": t, "work": work, "ratios": ratios,
             "readout": "certified bfloat16 argmax (xpress.readout)" if fast else "float32",
-            "markov_over_xpress_k4": markov / k4 if k4 else None,
-            "markov_float32_over_xpress_k4": f32["median_ms"] / k4 if f32 and k4 else None,
-            "readout_only_k4": p * one / (4 * full),
-            "composition": composition(t, shapes), "checks": checks}
+            **headline, "paired": paired, "composition": composition(t, shapes), "checks": checks}
+
+
+HEADLINE = ("markov_over_xpress_k4", "markov_float32_over_xpress_k4", "readout_only_k4")
+
+
+def headline_ratios(block: Block, lc: LatencyConfig, seed_block: torch.Tensor, fast: bool,
+                    one: Callable[[], Any], full: Callable[[], Any]) -> dict[str, dict[str, Any]]:
+    """The ratios the study is read for, each over ``lc.rounds`` paired rounds (:func:`paired_ratio`):
+    ``markov_over_xpress_k4`` (the Markov decode over xPress at K=4, both on the same readout; only when
+    K=4 is among ``lc.ks``), ``markov_float32_over_xpress_k4`` (the Markov decode on its float32 readout;
+    only when the certified readout applies) and ``readout_only_k4`` (``P t(1 row) / (4 t(P rows))``, the
+    readouts alone: ``one`` and ``full`` of :func:`readout_alone`)."""
+    dev, p = torch.device(lc.device), block.shapes.positions
+
+    def pair(num: Callable[[], Any], den: Callable[[], Any], scale: float = 1.0) -> dict[str, Any]:
+        return paired_ratio(num, den, lc.rounds, lc.repeats, lc.warmup, dev, scale)
+
+    def markov() -> Any:
+        return refine_markov(block)
+
+    def markov_float32() -> Any:
+        block.markov.read.fast = False
+        try:
+            return refine_markov(block)
+        finally:
+            block.markov.read.fast = None
+
+    def k4() -> Any:
+        return refine_xpress(block, 4, seed_block)
+
+    out = {}
+    if 4 in lc.ks:
+        out["markov_over_xpress_k4"] = pair(markov, k4)
+        if fast:
+            out["markov_float32_over_xpress_k4"] = pair(markov_float32, k4)
+    out["readout_only_k4"] = pair(one, full, p / 4)
+    return out
 
 
 def _graph_timings(block: Block, lc: LatencyConfig, seed_block: torch.Tensor, checks: dict, say) -> dict:
