@@ -142,3 +142,17 @@ def test_paired_ratio_times_both_sides_each_round_in_alternating_order(monkeypat
     assert p["rounds"] == [1.0, 1.5, 1.5] and p["median"] == 1.5 and (p["min"], p["max"]) == (1.0, 1.5)
     with pytest.raises(ValueError, match="rounds"):
         LatencyConfig(rounds=0)
+
+
+def test_time_calls_sweeps_every_component_once_per_repeat_in_rotated_order(monkeypatch):
+    """No clock: ``now`` is replaced by a counter, so each call's recorded time is exact and each
+    component's samples show which sweeps it ran in."""
+    from xpress.studies import latency
+
+    clock, order = iter(range(1000)), []
+    monkeypatch.setattr(latency, "now", lambda device: next(clock) / 1e3)  # each reading 1 ms later
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    t = latency.time_calls(fns, repeats=4, warmup=1, device="cpu")
+    assert order == list("abc") + list("abc" "bca" "cab" "abc")  # warm-up, then one rotated sweep per repeat
+    assert list(t) == list("abc") and all(v["repeats"] == 4 for v in t.values())
+    assert all(v["median_ms"] == pytest.approx(1.0) and v["iqr_ms"] == pytest.approx(0.0) for v in t.values())

@@ -31,10 +31,14 @@ xPress with the certified one; ``markov_over_xpress_k4`` compares the two with t
 against P serial steps if nothing but the readouts cost time, what remains of the ratio once the work
 around them (gathers, Trans, bookkeeping) is trimmed away.
 
-Headline ratios. These three are not read off the component timings (each component's repeats run back
-to back, so a slow spell of a shared machine can land on one side of a ratio): :func:`headline_ratios`
-measures each as ``lc.rounds`` paired rounds, the two sides timed one after the other in alternating
-order, and reports the median over the rounds with its range (``paired``).
+Timing. The drafter forward, the base readout and the fold are each timed on their own
+(:func:`time_call`). The refinement components (the Markov head, xPress at every K, adaptive and dense,
+the float32-readout variants, the readouts alone) are timed interleaved (:func:`time_calls`): each
+repeat is one sweep over all of them in a rotated order, so a slow spell of a shared machine falls on
+every component of a sweep instead of on the repeats of one, and the K curve is not shaped by the order
+the components ran in. Headline ratios: :func:`headline_ratios` measures each of the three as
+``lc.rounds`` paired rounds, the two sides timed one after the other in alternating order, and reports
+the median over the rounds with its range (``paired``).
 
     from xpress.studies.latency import run_latency
     result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
@@ -176,9 +180,35 @@ def time_call(fn: Callable[[], Any], repeats: int, warmup: int, device: torch.de
         t0 = now(device)
         fn()
         samples.append((now(device) - t0) * 1e3)
+    return _summary(samples)
+
+
+def time_calls(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, device: torch.device | str
+               ) -> dict[str, dict[str, float]]:
+    """:func:`time_call` for several components at once, interleaved: after ``warmup`` untimed calls of
+    each, every repeat is one sweep that times each component once, the sweep's order rotated by one
+    place each repeat (so every component runs in every slot, after every other one). A slow spell of
+    the machine then falls on all the components of a sweep, not on the repeats of one, and which
+    component ran before which no longer shifts one median against another. Returns {name: the
+    :func:`time_call` dict}, in the order of ``fns``."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = now(device)
+            fns[name]()
+            samples[name].append((now(device) - t0) * 1e3)
+    return {name: _summary(samples[name]) for name in names}
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    """Median, first and third quartile, IQR and mean of ``samples`` (ms), and their number."""
     q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return {"median_ms": med, "q1_ms": q1, "q3_ms": q3, "iqr_ms": q3 - q1, "mean_ms": statistics.fmean(samples),
-            "repeats": repeats}
+            "repeats": len(samples)}
 
 
 def paired_ratio(num: Callable[[], Any], den: Callable[[], Any], rounds: int, repeats: int, warmup: int,
@@ -304,6 +334,20 @@ def refine_markov(block: Block):
                              vocab=block.vocab)
 
 
+def on_float32(fn: Callable[[], Any], *reads) -> Callable[[], Any]:
+    """``fn`` run with the float32 readout on the :class:`xpress.readout.Readout` objects ``reads`` (their
+    ``fast`` set to False for the call, then back to the default)."""
+    def run() -> Any:
+        for r in reads:
+            r.fast = False
+        try:
+            return fn()
+        finally:
+            for r in reads:
+                r.fast = None
+    return run
+
+
 def count_work(block: Block, k: int, init: torch.Tensor | None, incremental: bool = True) -> dict[str, float]:
     """Passes run and readout rows computed by one refinement (an untimed run)."""
     rows = []
@@ -419,7 +463,7 @@ def time_target(model, shapes: Shapes, lc: LatencyConfig) -> dict[str, dict[str,
 # ============================================================================================= study
 def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progress: Callable[[str], None] | None = None
                    ) -> dict[str, Any]:
-    """Every component at ``shapes``: ``timings`` {name: time_call dict}, ``work`` {name: passes,
+    """Every component at ``shapes``: ``timings`` {name: :func:`time_call` dict}, ``work`` {name: passes,
     positions}, ``ratios`` (median / the Markov head's), ``composition`` (draft side per method and
     its share of a decoding round when the target was timed) and ``checks``."""
     say = progress or (lambda m: None)
@@ -437,40 +481,36 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
         t["drafter forward"] = time_call(block.forward, rep, warm, dev)
         t["base readout"] = time_call(block.readout, rep, warm, dev)
         t["fold"] = time_call(lambda: block.refiner.fold(block.h), rep, warm, dev)
-        say(f"{shapes.name}: Markov head ({p} serial steps)")
-        t["markov"] = time_call(lambda: refine_markov(block), rep, warm, dev)
+        fast = block.refiner.read.use_fast(block.refiner.w_r.weight, torch.zeros(1, shapes.rank, device=dev))
+        one, full = readout_alone(block, seed_block)
+        heads = {"markov": lambda: refine_markov(block)}
         for k in lc.ks:
-            say(f"{shapes.name}: xpress K={k}")
-            t[f"xpress K={k}"] = time_call(lambda k=k: refine_xpress(block, k, seed_block), rep, warm, dev)
+            heads[f"xpress K={k}"] = lambda k=k: refine_xpress(block, k, seed_block)
             work[f"xpress K={k}"] = count_work(block, k, seed_block)
-        t["xpress adaptive"] = time_call(lambda: refine_xpress(block, p), rep, warm, dev)
+        heads["xpress adaptive"] = lambda: refine_xpress(block, p)
         work["xpress adaptive"] = count_work(block, p, None)
-        t["xpress dense K=4"] = time_call(lambda: refine_xpress(block, 4, seed_block, False), rep, warm, dev)
+        heads["xpress dense K=4"] = lambda: refine_xpress(block, 4, seed_block, False)
         work["xpress dense K=4"] = count_work(block, 4, seed_block, incremental=False)
         checks = {"incremental equals dense (K=4 tokens)": bool(torch.equal(
             refine_xpress(block, 4, seed_block).tokens, refine_xpress(block, 4, seed_block, False).tokens))}
-        fast = block.refiner.read.use_fast(block.refiner.w_r.weight, torch.zeros(1, shapes.rank, device=dev))
         if fast:  # the same two with the float32 readout, and the tokens compared
-            say(f"{shapes.name}: Markov head and xpress K=4 with the float32 readout")
             reads = (block.markov.read, block.refiner.read)
             for r in reads:
                 r.rows_certified = r.candidates = 0
             tokens = {"markov": refine_markov(block).tokens, "xpress": refine_xpress(block, 4, seed_block).tokens}
             checks["float32 candidates per row (Markov, xpress K=4)"] = [
                 round(r.candidates / max(r.rows_certified, 1), 1) for r in reads]
-            block.refiner.read.fast = block.markov.read.fast = False
-            try:
-                t["markov (float32 readout)"] = time_call(lambda: refine_markov(block), rep, warm, dev)
-                t["xpress K=4 (float32 readout)"] = time_call(lambda: refine_xpress(block, 4, seed_block), rep, warm, dev)
-                checks["certified readout equals float32 (Markov, K=4 tokens)"] = bool(
-                    torch.equal(tokens["markov"], refine_markov(block).tokens)
-                    and torch.equal(tokens["xpress"], refine_xpress(block, 4, seed_block).tokens))
-            finally:
-                block.refiner.read.fast = block.markov.read.fast = None
-        say(f"{shapes.name}: the readouts alone, Markov 1 row and xPress {p} rows")
-        one, full = readout_alone(block, seed_block)
-        t["markov readout (1 row)"] = time_call(one, rep, warm, dev)
-        t[f"xpress readout ({p} rows)"] = time_call(full, rep, warm, dev)
+            heads["markov (float32 readout)"] = on_float32(lambda: refine_markov(block), block.markov.read)
+            heads["xpress K=4 (float32 readout)"] = on_float32(lambda: refine_xpress(block, 4, seed_block),
+                                                               block.refiner.read)
+            checks["certified readout equals float32 (Markov, K=4 tokens)"] = bool(
+                torch.equal(tokens["markov"], heads["markov (float32 readout)"]().tokens)
+                and torch.equal(tokens["xpress"], heads["xpress K=4 (float32 readout)"]().tokens))
+        heads["markov readout (1 row)"] = one
+        heads[f"xpress readout ({p} rows)"] = full
+        say(f"{shapes.name}: Markov head ({p} serial steps), xPress at K = {', '.join(map(str, lc.ks))}, "
+            f"adaptive and dense, the readouts alone: {len(heads)} components, {rep} interleaved sweeps")
+        t.update(time_calls(heads, rep, warm, dev))
         say(f"{shapes.name}: the headline ratios, {lc.rounds} paired rounds")
         paired = headline_ratios(block, lc, seed_block, fast, one, full)
         if dev.type == "cuda" and lc.cuda_graphs:
@@ -504,13 +544,6 @@ def headline_ratios(block: Block, lc: LatencyConfig, seed_block: torch.Tensor, f
     def markov() -> Any:
         return refine_markov(block)
 
-    def markov_float32() -> Any:
-        block.markov.read.fast = False
-        try:
-            return refine_markov(block)
-        finally:
-            block.markov.read.fast = None
-
     def k4() -> Any:
         return refine_xpress(block, 4, seed_block)
 
@@ -518,7 +551,7 @@ def headline_ratios(block: Block, lc: LatencyConfig, seed_block: torch.Tensor, f
     if 4 in lc.ks:
         out["markov_over_xpress_k4"] = pair(markov, k4)
         if fast:
-            out["markov_float32_over_xpress_k4"] = pair(markov_float32, k4)
+            out["markov_float32_over_xpress_k4"] = pair(on_float32(markov, block.markov.read), k4)
     out["readout_only_k4"] = pair(one, full, p / 4)
     return out
 
