@@ -153,6 +153,21 @@ def test_time_calls_sweeps_every_component_once_per_repeat_in_rotated_order(monk
     monkeypatch.setattr(latency, "now", lambda device: next(clock) / 1e3)  # each reading 1 ms later
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
     t = latency.time_calls(fns, repeats=4, warmup=1, device="cpu")
-    assert order == list("abc") + list("abc" "bca" "cab" "abc")  # warm-up, then one rotated sweep per repeat
+    sweeps = ["abc", "bca", "cab", "abc"]  # one sweep per repeat, rotated; each timed call after an untimed one
+    assert order == list("abc") + [name for sweep in sweeps for name in sweep for _ in range(2)]
     assert list(t) == list("abc") and all(v["repeats"] == 4 for v in t.values())
     assert all(v["median_ms"] == pytest.approx(1.0) and v["iqr_ms"] == pytest.approx(0.0) for v in t.values())
+
+
+def test_tau_summary_averages_in_first_seen_order():
+    """The ``avg`` rows follow the order the methods first appear (not a set's, which changes between
+    processes), so ``tau_vs_k.json`` is the same file on every run."""
+    from xpress.studies.tau_k import summarize
+
+    rows = [{"method": m, "variant": v, "K": k, "bench": b, "tokens": t, "steps": 2}
+            for m, v, k in (("xpress", "K=2", 2), ("dflash", "", None), ("xpress", "K=1", 1), ("markov", "", None))
+            for b, t in (("a", 4), ("b", 6))]
+    avg = [r for r in summarize(rows) if r["bench"] == "avg"]
+    assert [(r["method"], r["variant"]) for r in avg] == [("xpress", "K=2"), ("dflash", ""), ("xpress", "K=1"),
+                                                          ("markov", "")]
+    assert all(r["tau"] == 2.5 and r["prompts"] == 2 for r in avg)  # the mean of the benchmarks' taus (2, 3)

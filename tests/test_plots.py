@@ -74,9 +74,12 @@ def test_tau_vs_k_in_notebook_05s_layout(results):
                + [{"method": m, "variant": v, "K": None, "bench": "avg", "tau": t}
                   for m, v, t in (("dflash", "", 1.2), ("markov", "", 1.4), ("xpress", "sequential", 1.5))])
     fig = plot_tau_vs_k(summary)
-    labels = fig.axes[0].get_legend_handles_labels()[1]
-    assert {"dflash", "markov", "xpress sequential"} <= set(labels)
-    assert len(fig.axes[0].lines) == 4      # one curve (the average) + three baselines
+    assert [ax.get_title() for ax in fig.axes] == ["a", "avg"]  # one panel per benchmark, the average last
+    labels = fig.axes[1].get_legend_handles_labels()[1]
+    assert {"dFlash (no head)", "Markov head (sequential)", "xPress fixed point (sequential)"} <= set(labels)
+    assert len(fig.axes[1].lines) == 4 and len(fig.axes[0].lines) == 1  # the curve + three baselines; a: the curve
+    fig = plot_tau_vs_k(summary, {"K=3": [1, 2, 3, 3], "K=15": [2, 5]})
+    assert len(fig.axes) == 3 and "passes" in fig.axes[2].get_title()  # + the histogram of passes used
 
 
 def test_report_shows_table1_batched_and_break_even(results):

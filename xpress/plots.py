@@ -169,10 +169,15 @@ def draw_table1(preset: str) -> Drawn | None:
                  f"Data: table1.json, from {result.get('command', 'notebook 04')}.")
 
 
-def plot_tau_vs_k(rows: Sequence[dict]):
-    """tau against the Jacobi budget K (the average over benchmarks where rows carry ``bench = "avg"``,
-    else one line per benchmark or method); rows without a K (dFlash, the Markov head, the sequential
-    fixed point) become dashed horizontal baselines. None when the rows hold no (K, tau) pairs."""
+BASELINE_STYLE = {"markov": ("--", "C3", "Markov head (sequential)"), "dflash": ("-.", "C7", "dFlash (no head)"),
+                  "xpress sequential": (":", "C2", "xPress fixed point (sequential)")}
+
+
+def plot_tau_vs_k(rows: Sequence[dict], passes: dict[str, Sequence[int]] | None = None):
+    """Figure 3: tau against the Jacobi budget K, one panel per benchmark (``bench``; the average
+    ``avg`` last), rows without a K (dFlash, the Markov head, the sequential fixed point) as horizontal
+    lines; with ``passes`` ({budget: passes used per round}, ``tau_vs_k.json``) a last panel with their
+    histogram. None when the rows hold no (K, tau) pairs."""
     import matplotlib.pyplot as plt
     import pandas as pd
     import seaborn as sns
@@ -182,29 +187,40 @@ def plot_tau_vs_k(rows: Sequence[dict]):
     tau = _first(df.columns, "tau", "mean_tau", "acceptance_length")
     if k is None or tau is None or df[k].notna().sum() == 0:
         return None
-    if "bench" in df.columns and (df["bench"] == "avg").any():
-        df = df[df["bench"] == "avg"]
-    hue = None if "bench" in df.columns and df["bench"].nunique() == 1 else _first(df.columns, "bench", "benchmark", "method")
-    curves = df[df[k].notna()]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    sns.lineplot(data=curves, x=k, y=tau, hue=hue, marker="o", ax=ax, label=None if hue else "xPress, K Jacobi passes")
-    for i, (_, r) in enumerate(df[df[k].isna()].iterrows()):
-        name = " ".join(str(r[c]) for c in ("method", "variant") if c in r and isinstance(r[c], str) and r[c])
-        ax.axhline(r[tau], ls="--", lw=1, c=f"C{i + 1}", label=name or "baseline")
-    ax.set_xlabel("Jacobi iterations K")
-    ax.set_title("tau versus the Jacobi budget K" + (" (average over benchmarks)" if hue is None else ""))
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
+    if "bench" not in df.columns:
+        df = df.assign(bench="all")
+    benches = [b for b in dict.fromkeys(df["bench"]) if b != "avg"] + (["avg"] if (df["bench"] == "avg").any() else [])
+    hist = pd.DataFrame([{"budget": b, "passes": int(x)} for b, xs in (passes or {}).items() for x in xs])
+    n = len(benches) + (len(hist) > 0)
+    fig, axes = plt.subplots(1, n, figsize=(3.3 * n, 3.3), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        d = df[df["bench"] == bench]
+        curve = d[d[k].notna()].sort_values(k)
+        ax.plot(curve[k], curve[tau], marker="o", label="xPress, K passes")
+        for _, r in d[d[k].isna()].iterrows():
+            name = " ".join(str(r[c]) for c in ("method", "variant") if c in r and isinstance(r[c], str) and r[c])
+            style, color, label = BASELINE_STYLE.get(name, ("--", "C1", name or "baseline"))
+            ax.axhline(r[tau], ls=style, c=color, lw=1.2, label=label)
+        ax.set_title(bench)
+        ax.set_xlabel("K (Jacobi passes)")
+        ax.set_ylabel("tau")
+    axes[0][0].legend(fontsize=7)
+    if len(hist):
+        ax = axes[0][-1]
+        sns.histplot(data=hist, x="passes", hue="budget", discrete=True, multiple="dodge", shrink=0.8, ax=ax)
+        ax.set_title("passes adaptive K used, per round")
     fig.tight_layout()
     return fig
 
 
 def draw_tau_vs_k(preset: str) -> Drawn | None:
     data = load_result(preset, "tau_vs_k")
-    fig = plot_tau_vs_k(records(data)) if data else None
+    fig = plot_tau_vs_k(records(data), data.get("passes") if isinstance(data, dict) else None) if data else None
     if fig is None:
         return None
-    return Drawn("tau_vs_k", fig, "Figure 3 analogue: tau against the number of Jacobi iterations K (dashed: rows "
-                 f"without a K, such as the Markov baseline). Data: tau_vs_k.json, from "
+    return Drawn("tau_vs_k", fig, "Figure 3 analogue: tau (T = 0) against the Jacobi budget K per benchmark and on "
+                 "average, with the Markov head, the sequential fixed point and dFlash as horizontal lines, and the "
+                 "histogram of the passes adaptive stopping used per round. Data: tau_vs_k.json, from "
                  f"{data.get('command', 'notebook 05') if isinstance(data, dict) else 'notebook 05'}.")
 
 

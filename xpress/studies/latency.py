@@ -34,9 +34,9 @@ around them (gathers, Trans, bookkeeping) is trimmed away.
 Timing. The drafter forward, the base readout and the fold are each timed on their own
 (:func:`time_call`). The refinement components (the Markov head, xPress at every K, adaptive and dense,
 the float32-readout variants, the readouts alone) are timed interleaved (:func:`time_calls`): each
-repeat is one sweep over all of them in a rotated order, so a slow spell of a shared machine falls on
-every component of a sweep instead of on the repeats of one, and the K curve is not shaped by the order
-the components ran in. Headline ratios: :func:`headline_ratios` measures each of the three as
+repeat is one sweep over all of them in a rotated order, each timed call right after an untimed one of
+the same component (warm caches, as when a component is timed on its own), so a slow spell of a shared
+machine falls on every component of a sweep instead of on the repeats of one. Headline ratios: :func:`headline_ratios` measures each of the three as
 ``lc.rounds`` paired rounds, the two sides timed one after the other in alternating order, and reports
 the median over the rounds with its range (``paired``).
 
@@ -187,10 +187,11 @@ def time_calls(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, dev
                ) -> dict[str, dict[str, float]]:
     """:func:`time_call` for several components at once, interleaved: after ``warmup`` untimed calls of
     each, every repeat is one sweep that times each component once, the sweep's order rotated by one
-    place each repeat (so every component runs in every slot, after every other one). A slow spell of
-    the machine then falls on all the components of a sweep, not on the repeats of one, and which
-    component ran before which no longer shifts one median against another. Returns {name: the
-    :func:`time_call` dict}, in the order of ``fns``."""
+    place each repeat. Each timed call comes right after an untimed call of the same component, so it
+    starts from that component's own warm caches, as in :func:`time_call` (without it, a call would find
+    whatever the previous component left: another head's weights, or a float32 readout twice the size).
+    A slow spell of the machine then falls on all the components of a sweep, not on the repeats of one.
+    Returns {name: the :func:`time_call` dict}, in the order of ``fns``."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -198,6 +199,7 @@ def time_calls(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, dev
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
+            fns[name]()  # untimed: the component's own weights in cache
             t0 = now(device)
             fns[name]()
             samples[name].append((now(device) - t0) * 1e3)

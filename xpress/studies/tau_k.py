@@ -162,7 +162,7 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
         g["prompts"] += 1
     out = [{"method": m, "variant": v, "K": k, "bench": b, **g, "tau": g["tokens"] / max(1, g["steps"])}
            for (m, v, k, b), g in groups.items()]
-    for key in {(o["method"], o["variant"], o["K"]) for o in out}:
+    for key in dict.fromkeys((o["method"], o["variant"], o["K"]) for o in out):  # first-seen order: the same file every run
         per = [o for o in out if (o["method"], o["variant"], o["K"]) == key and o["bench"] != "avg"]
         out.append({"method": key[0], "variant": key[1], "K": key[2], "bench": "avg",
                     "tokens": sum(o["tokens"] for o in per), "steps": sum(o["steps"] for o in per),
