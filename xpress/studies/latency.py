@@ -31,12 +31,14 @@ xPress with the certified one; ``markov_over_xpress_k4`` compares the two with t
 against P serial steps if nothing but the readouts cost time, what remains of the ratio once the work
 around them (gathers, Trans, bookkeeping) is trimmed away.
 
-Timing. The drafter forward, the base readout and the fold are each timed on their own
-(:func:`time_call`). The refinement components (the Markov head, xPress at every K, adaptive and dense,
-the float32-readout variants, the readouts alone) are timed interleaved (:func:`time_calls`): each
-repeat is one sweep over all of them in a rotated order, each timed call right after an untimed one of
-the same component (warm caches, as when a component is timed on its own), so a slow spell of a shared
-machine falls on every component of a sweep instead of on the repeats of one. Headline ratios: :func:`headline_ratios` measures each of the three as
+Timing. The refinement decodes (the Markov head, xPress at every K, adaptive and dense, the
+float32-readout variants) are timed interleaved (:func:`time_calls`): each repeat is one sweep over all
+of them in a rotated order, each timed call right after an untimed one of the same decode, so a slow
+spell of a shared machine falls on every decode of a sweep instead of on the repeats of one. The
+drafter forward, the base readout, the fold and the readouts alone are timed on their own
+(:func:`time_call`, repeats back to back): a readout alone is one call of a few milliseconds, and timed
+after other work it measures the cache that work left, not the readout (inside a decode, every step
+or pass but the first finds its weights in cache). Headline ratios: :func:`headline_ratios` measures each of the three as
 ``lc.rounds`` paired rounds, the two sides timed one after the other in alternating order, and reports
 the median over the rounds with its range (``paired``).
 
@@ -508,11 +510,12 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
             checks["certified readout equals float32 (Markov, K=4 tokens)"] = bool(
                 torch.equal(tokens["markov"], heads["markov (float32 readout)"]().tokens)
                 and torch.equal(tokens["xpress"], heads["xpress K=4 (float32 readout)"]().tokens))
-        heads["markov readout (1 row)"] = one
-        heads[f"xpress readout ({p} rows)"] = full
         say(f"{shapes.name}: Markov head ({p} serial steps), xPress at K = {', '.join(map(str, lc.ks))}, "
-            f"adaptive and dense, the readouts alone: {len(heads)} components, {rep} interleaved sweeps")
+            f"adaptive and dense: {len(heads)} components, {rep} interleaved sweeps")
         t.update(time_calls(heads, rep, warm, dev))
+        say(f"{shapes.name}: the readouts alone, Markov 1 row and xPress {p} rows")
+        t["markov readout (1 row)"] = time_call(one, rep, warm, dev)  # back to back: warm, as all steps but a
+        t[f"xpress readout ({p} rows)"] = time_call(full, rep, warm, dev)  # decode's first (see time_calls)
         say(f"{shapes.name}: the headline ratios, {lc.rounds} paired rounds")
         paired = headline_ratios(block, lc, seed_block, fast, one, full)
         if dev.type == "cuda" and lc.cuda_graphs:
