@@ -37,10 +37,10 @@ of them in a rotated order, each timed call right after an untimed one of the sa
 spell of a shared machine falls on every decode of a sweep instead of on the repeats of one. The
 drafter forward, the base readout, the fold and the readouts alone are timed on their own
 (:func:`time_call`, repeats back to back): a readout alone is one call of a few milliseconds, and timed
-after other work it measures the cache that work left, not the readout (inside a decode, every step
-or pass but the first finds its weights in cache). Headline ratios: :func:`headline_ratios` measures each of the three as
-``lc.rounds`` paired rounds, the two sides timed one after the other in alternating order, and reports
-the median over the rounds with its range (``paired``).
+after other work it also measures what that work left in the cache (inside a decode, every step or
+pass but the first finds its weights in cache). Headline ratios: :func:`headline_ratios` measures each
+of the three as ``lc.rounds`` paired rounds, the two sides timed one after the other in alternating
+order, and reports the median over the rounds with its range (``paired``).
 
     from xpress.studies.latency import run_latency
     result = run_latency("cpu", shape_sets=("preset", "paper"))   # results/cpu/latency.{json,csv}
