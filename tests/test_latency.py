@@ -9,7 +9,8 @@ import torch
 from xpress import paths
 from xpress.jacobi import corrected_logits, prev_tokens
 from xpress.studies.latency import (TINY, LatencyConfig, build_block, count_work, dense_rollout, latency_rows,
-                                    pass_tokens, readout_alone, refine_xpress, run_latency, time_call)
+                                    pass_tokens, readout_alone, refine_xpress, run_latency, time_call,
+                                    beside_paper_table3, projected_speedup)
 from xpress.studies.tau_k import acceptance, all_blocks, follow_rounds, prepare_replay, replay_method
 
 
@@ -82,6 +83,38 @@ def test_gpu_script_runs_on_cpu_with_only_torch_and_transformers(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     saved = json.loads((tmp_path / "latency.json").read_text())
     assert saved["provenance"]["preset"] == "h200" and "xpress K=2" in saved["shape_sets"]["tiny"]["timings"]
+    projected = projected_speedup(saved["shape_sets"]["tiny"], {"dflash": 2.0, "xpress": 3.0}, k=2)  # the notebook's use
+    assert [r["method"] for r in projected] == ["dflash", "xpress K=2"] and all(r["projected_speedup"] > 0 for r in projected)
+    assert [r["component"] for r in beside_paper_table3(saved)] == ["xpress K=1", "xpress K=2", "markov"]
+
+
+def test_beside_paper_table3_compares_graph_with_graph_and_eager_with_eager():
+    t = {"markov": {"median_ms": 10.0}, "xpress K=1": {"median_ms": 2.0}, "xpress K=4": {"median_ms": 5.0},
+         "markov graph": {"median_ms": 4.0}, "xpress graph K=4": {"median_ms": 1.0}}
+    rows = {r["component"]: r for r in beside_paper_table3({"shape_sets": {"paper": {"timings": t}}})}
+    assert list(rows) == ["xpress K=1", "xpress K=4", "markov"]  # the paper's components that were timed
+    assert (rows["xpress K=1"]["measured_as"], rows["xpress K=1"]["ratio_to_markov"]) == ("xpress K=1", 0.2)  # no graph
+    assert (rows["xpress K=4"]["measured_as"], rows["xpress K=4"]["ratio_to_markov"]) == ("xpress graph K=4", 0.25)
+    assert rows["markov"]["measured_as"] == "markov graph" and rows["markov"]["ratio_to_markov"] == 1.0
+    assert rows["xpress K=4"]["paper_us"] == 379 and rows["xpress K=4"]["paper_ratio_to_markov"] == 379 / 601
+
+
+def test_projected_speedup_is_eq1_by_hand():
+    t = {"drafter forward": {"median_ms": 1.0}, "base readout": {"median_ms": 0.5}, "markov": {"median_ms": 1.5},
+         "xpress K=4": {"median_ms": 0.5}, "target step (1 token)": {"median_ms": 10.0},
+         "target verify (16 tokens)": {"median_ms": 12.0}}
+    s = {"timings": t, "shapes": {"block_size": 16}}
+    rows = {r["method"]: r for r in projected_speedup(s, {"dflash": 3.0, "markov": 4.5, "xpress": 5.4})}
+    assert rows["dflash"]["projected_speedup"] == pytest.approx(3.0 * 10 / (1.5 + 12))  # no refinement
+    assert rows["markov"]["projected_speedup"] == pytest.approx(4.5 * 10 / (3.0 + 12))
+    assert rows["xpress K=4"]["projected_speedup"] == pytest.approx(5.4 * 10 / (2.0 + 12))
+    with pytest.raises(ValueError, match="K=3 was not timed"):
+        projected_speedup(s, {"xpress": 5.0}, k=3)
+    with pytest.raises(ValueError, match="eagle"):
+        projected_speedup(s, {"eagle": 5.0})
+    del t["target verify (16 tokens)"]
+    with pytest.raises(ValueError, match="no target timings"):
+        projected_speedup(s, {"dflash": 3.0})
 
 
 def test_cli_latency_rejects_unknown_shapes():

@@ -108,3 +108,16 @@ def test_report_shows_table1_batched_and_break_even(results):
                                       for t in (0.0, 1.0) for b in ("a", "avg")]})
     text = results_markdown("p", results)
     assert "**tau on more prompts**" in text and "| 1 | dflash | 1.100 [1.060, 1.140] * |" in text
+
+
+def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_are_missing(results):
+    from xpress.report import results_markdown
+
+    assert "**GPU latency (H200)**: not measured yet" in results_markdown("p", results)
+    t = {"markov": {"median_ms": 0.6}, "xpress K=4": {"median_ms": 0.3}}
+    (results.parent / "h200").mkdir()
+    write(results.parent / "h200", "latency", {"shape_sets": {"paper": {"timings": t}}, "provenance": {
+        "machine": {"gpu": "NVIDIA H200", "cpu_model": "some cpu"}, "git_revision": "abcdef0", "date": "2026-12-01"}})
+    text = results_markdown("p", results)
+    assert "NVIDIA H200" in text and "not measured yet" not in text
+    assert "| paper | xpress K=4 | xpress K=4 | 0.3 | 0.500 | 379 | 0.631 |" in text

@@ -27,7 +27,7 @@ def _load(folder: Path, name: str) -> dict | None:
 
 def _where(prov: dict) -> str:
     m = prov.get("machine", {})
-    return (f"{m.get('cpu_model') or m.get('gpu') or m.get('processor', '?')}, {m.get('torch_threads', '?')} torch threads; "
+    return (f"{m.get('gpu') or m.get('cpu_model') or m.get('processor', '?')}, {m.get('torch_threads', '?')} torch threads; "
             f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('date', '?')[:10]}")
 
 
@@ -158,6 +158,32 @@ def _latency_section(lat: dict) -> list[str]:
                 line += (f"; the readouts alone (1 row per step, P rows per pass) would allow "
                          f"{ratio('readout_only_k4')}")
             out.append(line)
+    if isinstance(lat, dict) and lat.get("shape_sets"):
+        from .studies.latency import PAPER_TABLE3_US as us
+
+        out.append(f"- the paper's Table 3 (one H200, its numbers): Markov head {us['markov']} us, xPress K=4 "
+                   f"{us['xpress K=4']} us, so Markov / xPress K=4 = {us['markov'] / us['xpress K=4']:.2f}x; K=1..8: "
+                   + ", ".join(str(v) for k, v in us.items() if k != "markov") + " us")
+    return out + [""]
+
+
+def _gpu_section(folder: Path) -> list[str]:
+    """The GPU latency script's results (``results/h200/latency.json``) beside the paper's Table 3, or a
+    line saying they have not been measured."""
+    h200 = _load(folder.parent / "h200", "latency.json")
+    cmd = "`python scripts/gpu_latency.py`"
+    if not h200:
+        return [f"**GPU latency (H200)**: not measured yet; {cmd} on one H200 writes `results/h200/latency.json`, "
+                "shown here and in notebook 05 when present.", ""]
+    from .studies.latency import beside_paper_table3
+
+    out = [f"**GPU latency (H200)** (`results/h200/latency.json`, {cmd}; {_where(h200['provenance'])}): per block, "
+           "beside the paper's Table 3 (its numbers, labelled paper):", "",
+           "| shapes | component | measured as | median_ms | ratio_to_markov | paper us | paper ratio_to_markov |",
+           "|---|---|---|---|---|---|---|"]
+    for r in beside_paper_table3(h200):
+        out.append(f"| {r['shapes']} | {r['component']} | {r['measured_as']} | {r['median_ms']:.4g} | "
+                   f"{r['ratio_to_markov']:.3f} | {r['paper_us']} | {r['paper_ratio_to_markov']:.3f} |")
     return out + [""]
 
 
@@ -217,6 +243,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     lat = _load(folder, "latency.json")
     if lat:
         out += _latency_section(lat)
+    out += _gpu_section(folder)
     batched = _load(folder, "batched.json")
     if batched:
         out += _batched_section(batched)
