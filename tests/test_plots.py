@@ -101,6 +101,7 @@ def test_report_shows_table1_batched_and_break_even(results):
     assert "tau(xPress) / tau(dFlash) = 1.62" in text                             # 3.25 / 2.0, by hand
     assert "**Break-even tau on this machine**" in text and "Warning: busy" in text
     assert "| 4 | 40.0 (1.00x, tau 1.00) | 40.0 (1.00x, tau 1.00) |" in text
+    assert "The paper's Table 2" in text and "batch 16: gsm8k 3.2x / 4.3x" in text and "batch 32: gsm8k 2.1x / 2.9x" in text
     cell = {"tau_ratio": 1.1, "lo": 1.06, "hi": 1.14, "resolved": True}
     write(results, "resolution", {"preset": "p", "benchmarks": ["a"], "temperatures": [0.0, 1.0], "rel": 0.05,
                                   "prompts_per_benchmark": 24, "max_new_tokens": 8, "provenance": {}, "table": [

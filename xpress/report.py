@@ -222,6 +222,13 @@ def _batched_section(b: dict) -> list[str]:
             r = rows.get((bs, m))
             cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} ({r['speedup']:.2f}x, tau {r['tau']:.2f})")
         out.append(f"| {bs} | " + " | ".join(cells) + " |")
+    from .studies.batched import PAPER_TABLE2 as paper
+
+    per_batch = "; ".join(f"batch {bs}: " + ", ".join(f"{bench} {paper[bs]['dflash'][bench]}x / {paper[bs]['xpress'][bench]}x"
+                                                     for bench in paper[bs]["dflash"]) for bs in (16, 32))
+    taus = ", ".join(f"{bench} {paper['tau']['dflash'][bench]} / {paper['tau']['xpress'][bench]}" for bench in paper["tau"]["dflash"])
+    out += ["", f"The paper's Table 2 (vLLM on one H200, Qwen3-8B, greedy; its numbers): speedup over AR, dFlash / "
+                f"xPress, {per_batch}; tau, dFlash / xPress: {taus}."]
     for w in b.get("warnings", []):
         out += ["", f"Warning: {w}"]
     return out + [""]

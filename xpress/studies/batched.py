@@ -23,6 +23,17 @@ from ..config import Config
 from .compare import AR, LoadRecord, benchmark_prompts, make_drafters, study_cli, warm_up, weights_of
 from .table1 import _provenance
 
+# The paper's Table 2 (vLLM with FlashAttention-3, Qwen3-8B on one H200, greedy, 1024 generated tokens; arXiv
+# 2608.02438): tau (mean over batch sizes) and speedup over AR at batch 16 and 32, per benchmark.
+PAPER_TABLE2 = {
+    "tau": {"dflash": {"gsm8k": 6.41, "math500": 7.62, "humaneval": 6.40, "mbpp": 5.75, "mt-bench": 3.20},
+            "xpress": {"gsm8k": 10.13, "math500": 9.67, "humaneval": 8.05, "mbpp": 7.18, "mt-bench": 4.31}},
+    16: {"dflash": {"gsm8k": 3.2, "math500": 3.7, "humaneval": 3.1, "mbpp": 3.2, "mt-bench": 1.8},
+         "xpress": {"gsm8k": 4.3, "math500": 4.3, "humaneval": 3.5, "mbpp": 3.6, "mt-bench": 2.2}},
+    32: {"dflash": {"gsm8k": 2.1, "math500": 2.6, "humaneval": 2.2, "mbpp": 2.3, "mt-bench": 1.3},
+         "xpress": {"gsm8k": 2.9, "math500": 3.1, "humaneval": 2.5, "mbpp": 2.6, "mt-bench": 1.6}},
+}
+
 
 def round_robin(prompts: Sequence[dict]) -> list[dict]:
     """Prompts grouped by benchmark (as :func:`benchmark_prompts` returns them) -> interleaved: the first
