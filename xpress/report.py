@@ -159,12 +159,12 @@ def _latency_section(lat: dict) -> list[str]:
                          f"{ratio('readout_only_k4')}")
             out.append(line)
     if isinstance(lat, dict) and lat.get("shape_sets"):
-        from .studies.latency import PAPER_TABLE3_US as us
+        from .studies.latency import PAPER_MARKOV_DRAFT_SHARE, PAPER_TABLE3_US as us
 
         line = (f"- the paper's Table 3 (one H200, its numbers): Markov head {us['markov']} us, xPress K=4 "
                 f"{us['xpress K=4']} us, so Markov / xPress K=4 = {us['markov'] / us['xpress K=4']:.2f}x; K=1..8: "
                 + ", ".join(str(v) for k, v in us.items() if k != "markov") + " us. Its Figure 4: the Markov decode "
-                "is about 24% of the draft side (drafter forward + base readout + refinement)")
+                f"is about {PAPER_MARKOV_DRAFT_SHARE:.0%} of the draft side (drafter forward + base readout + refinement)")
         for name, s in lat["shape_sets"].items():
             m = (s.get("composition") or {}).get("markov")
             if m:

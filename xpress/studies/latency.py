@@ -616,6 +616,9 @@ def composition(t: dict[str, dict[str, float]], shapes: Shapes) -> dict[str, dic
 # decode as a compiled, CUDA-graphed loop).
 PAPER_TABLE3_US = {**{f"xpress K={k}": us for k, us in zip(range(1, 9), (150, 227, 301, 379, 452, 530, 603, 681))},
                    "markov": 601}
+# Its Figure 4: the Markov head's serial decode is about a quarter (24%) of the draft side per block on that H200
+# (drafter forward + base lm_head readout + refinement).
+PAPER_MARKOV_DRAFT_SHARE = 0.24
 
 
 def _graph_name(component: str) -> str:
