@@ -53,6 +53,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -665,8 +666,8 @@ def projected_speedup(s: dict[str, Any], tau: dict[str, float], k: int = 4) -> l
     measurement: the engine's bookkeeping, acceptance sampling and the cache's growth are left out."""
     t = s["timings"]
     if f"xpress K={k}" not in t:
-        raise ValueError(f"xpress K={k} was not timed in this result: use one of its K "
-                         f"({', '.join(n[len('xpress K='):] for n in t if n[len('xpress K='):].isdigit() and n.startswith('xpress K='))})")
+        timed = [n.removeprefix("xpress K=") for n in t if re.fullmatch(r"xpress K=\d+", n)]
+        raise ValueError(f"xpress K={k} was not timed in this result: use one of its K ({', '.join(timed)})")
     b = s["shapes"]["block_size"]
     step, verify = t.get("target step (1 token)"), t.get(f"target verify ({b} tokens)")
     if step is None or verify is None:
