@@ -95,19 +95,28 @@ def small_ceiling(tmp_path, **kw):
                                 verify_repeats=2, **kw)
 
 
+def test_oracle_ceiling_without_the_comparison_runs_ar_and_the_oracle_only(tmp_path):
+    result = small_ceiling(tmp_path, compare=False)
+    assert "compare" not in result
+    assert set(result["spread"]) == {"ar_tokens_per_s", "oracle_tokens_per_s", "speedup"}
+
+
 def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
     order = []
     real = decoding.generate_batch
 
     def recorded(target, drafter, prompts, *a, **k):
-        order.append(("ar" if drafter is None else "oracle", tuple(prompts[0])))
+        kind = "oracle" if drafter is not None else ("ar" if target.runtime is not None else "ar_old")
+        order.append((kind, tuple(prompts[0])))
         return real(target, drafter, prompts, *a, **k)
 
     monkeypatch.setattr(decoding, "generate_batch", recorded)
     result = small_ceiling(tmp_path)
     methods = [m for m, _ in order]
-    assert methods == ["ar", "oracle"] * 4  # 2 repeats x 2 prompts, each prompt AR then oracle
-    assert [p for _, p in order[0::2]] == [p for _, p in order[1::2]]  # the same prompt back to back
+    # one untimed warm-up of each, then 2 repeats x 2 prompts, each prompt through every runner in turn
+    # (the two generate() runners do not go through the engine)
+    assert methods == ["ar", "ar_old", "oracle"] * 5
+    assert [p for _, p in order[0::3]] == [p for _, p in order[1::3]] == [p for _, p in order[2::3]]
     saved = json.loads((tmp_path / "oracle_ceiling.json").read_text())
     assert saved["lossless"] and saved["tau"] > 1 and saved["repeats"] == 2
     for key in ("ar_tokens_per_s", "oracle_tokens_per_s", "speedup"):
@@ -118,8 +127,28 @@ def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
     assert saved["oracle_prepare_s"] > 0 and saved["oracle_stage_seconds_last_repeat"]["draft_s"] < saved["oracle_prepare_s"]
     prov = saved["provenance"]
     assert prov["torch_threads"] >= 1 and {"load_average_before", "busy", "load_warning"} <= set(prov)
-    assert (tmp_path / "oracle_ceiling.csv").read_text().count("\n") == 1 + 2 * 2
+    assert (tmp_path / "oracle_ceiling.csv").read_text().count("\n") == 1 + 2 * 5  # 2 repeats x 5 runners
     assert result["flag"] == saved["flag"]
+    cmp = saved["compare"]
+    assert cmp["ar_over_old"] == saved["spread"]["ar_over_old"]["median"] > 0
+    assert cmp["ar_over_generate"] > 0 and cmp["verify_cost_old"]["loop_ratio"] > 0
+    assert saved["runtime"]["runtime"] == "lean" and saved["mismatch_fraction"] == 0 and saved["divergences"] == []
+    assert saved["provenance"]["target_runtime"]["runtime"] == "lean"
+
+
+def test_divergence_reports_the_position_and_the_top2_margin(smoke):
+    from xpress.targets import encode_chat, lm_logits
+
+    prompt = encode_chat(smoke.tokenizer, ["Say something."])
+    ref = decoding.generate_ar(smoke, prompt, 6).token_ids
+    other = ref[:3] + [(ref[3] + 1) % smoke.vocab_size] + ref[4:]
+    d = bench.divergence(smoke, prompt, ref, other)
+    assert (d["position"], d["reference_token"], d["other_token"]) == (3, ref[3], other[3])
+    ids = torch.tensor([prompt + ref[:3]])
+    logits, _ = lm_logits(smoke, ids, None, torch.arange(ids.shape[1])[None], None)
+    top = logits[0, -1].topk(2).values
+    assert d["top2_margin"] == pytest.approx(float(top[0] - top[1])) and d["top2_margin"] >= 0
+    assert bench.divergence(smoke, prompt, ref, ref[:4]) is None
 
 
 def test_a_speedup_above_its_ceiling_is_flagged_not_reported(tmp_path, monkeypatch):

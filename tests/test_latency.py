@@ -160,7 +160,7 @@ def test_replayed_tau_equals_decoding(cfg, target):
 def test_paired_ratio_times_both_sides_each_round_in_alternating_order(monkeypatch):
     """No clock: ``time_call`` is replaced by a recorder returning set medians, so the arithmetic and the
     order are checked exactly."""
-    from xpress.studies import latency
+    from xpress import timing
 
     order, medians = [], {"num": iter([4.0, 6.0, 9.0]), "den": iter([2.0, 2.0, 3.0])}
 
@@ -169,8 +169,8 @@ def test_paired_ratio_times_both_sides_each_round_in_alternating_order(monkeypat
         order.append(name)
         return {"median_ms": next(medians[name])}
 
-    monkeypatch.setattr(latency, "time_call", fake_time_call)
-    p = latency.paired_ratio(lambda: "num", lambda: "den", rounds=3, repeats=2, warmup=0, device="cpu", scale=0.5)
+    monkeypatch.setattr(timing, "time_call", fake_time_call)
+    p = timing.paired_ratio(lambda: "num", lambda: "den", rounds=3, repeats=2, warmup=0, device="cpu", scale=0.5)
     assert order == ["num", "den", "den", "num", "num", "den"]
     assert p["rounds"] == [1.0, 1.5, 1.5] and p["median"] == 1.5 and (p["min"], p["max"]) == (1.0, 1.5)
     with pytest.raises(ValueError, match="rounds"):
@@ -180,12 +180,12 @@ def test_paired_ratio_times_both_sides_each_round_in_alternating_order(monkeypat
 def test_time_calls_sweeps_every_component_once_per_repeat_in_rotated_order(monkeypatch):
     """No clock: ``now`` is replaced by a counter, so each call's recorded time is exact and each
     component's samples show which sweeps it ran in."""
-    from xpress.studies import latency
+    from xpress import timing
 
     clock, order = iter(range(1000)), []
-    monkeypatch.setattr(latency, "now", lambda device: next(clock) / 1e3)  # each reading 1 ms later
+    monkeypatch.setattr(timing, "now", lambda device: next(clock) / 1e3)  # each reading 1 ms later
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
-    t = latency.time_calls(fns, repeats=4, warmup=1, device="cpu")
+    t = timing.time_calls(fns, repeats=4, warmup=1, device="cpu")
     sweeps = ["abc", "bca", "cab", "abc"]  # one sweep per repeat, rotated; each timed call after an untimed one
     assert order == list("abc") + [name for sweep in sweeps for name in sweep for _ in range(2)]
     assert list(t) == list("abc") and all(v["repeats"] == 4 for v in t.values())

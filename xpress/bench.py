@@ -428,44 +428,108 @@ def speedup_flag(speedup: float, tau: float, verify_ratio: float, tolerance: flo
     return None
 
 
-def interleaved_runs(target: Target, drafters: dict[str, Drafter | None], prompts: Sequence[Sequence[int]],
-                     max_new_tokens: int, repeats: int, progress: bool = False) -> list[dict[str, list]]:
-    """Per repeat, per method, the :class:`~xpress.decoding.Generation` of every prompt, decoded (batch 1,
-    T = 0) with the methods interleaved per prompt (A B A B ...: prompt 1 with each method, then prompt
-    2, ...), so slow drifts of the machine hit every method alike."""
+Runner = Callable[[Sequence[int]], Any]  # one prompt's token ids -> its Generation (batch 1, T = 0)
+
+
+def interleaved_runs(runners: dict[str, Runner], prompts: Sequence[Sequence[int]], repeats: int,
+                     progress: bool = False) -> list[dict[str, list]]:
+    """Per repeat, per runner, the :class:`~xpress.decoding.Generation` of every prompt, the runners
+    interleaved per prompt (A B A B ...: prompt 1 with each runner, then prompt 2, ...), so slow drifts of
+    the machine hit every runner alike."""
     from tqdm.auto import tqdm
 
-    from .decoding import generate_batch
-
-    runs = [{name: [] for name in drafters} for _ in range(repeats)]
-    with tqdm(total=repeats * len(prompts) * len(drafters), desc="oracle ceiling", unit="run",
+    runs = [{name: [] for name in runners} for _ in range(repeats)]
+    with tqdm(total=repeats * len(prompts) * len(runners), desc="oracle ceiling", unit="run",
               disable=not progress, file=sys.stderr) as bar:
         for run in runs:
             for p in prompts:
-                for name, drafter in drafters.items():
-                    run[name].append(generate_batch(target, drafter, [list(p)], max_new_tokens)[0])
+                for name, runner in runners.items():
+                    run[name].append(runner(list(p)))
                     bar.update(1)
     return runs
 
 
+def decode_runner(target: Target, drafter: Drafter | None, max_new_tokens: int) -> Runner:
+    """The project's engine as a runner: :func:`~xpress.decoding.generate_batch` at T = 0, batch 1."""
+    from . import decoding
+
+    return lambda p: decoding.generate_batch(target, drafter, [list(p)], max_new_tokens)[0]
+
+
+def generate_runner(model: Any, eos_token_ids: Sequence[int], max_new_tokens: int, cache: str | None) -> Runner:
+    """transformers' own ``model.generate()`` (greedy) as a runner, with its ``static`` cache or its
+    default dynamic one (``cache=None``); the Generation holds its tokens (EOS kept) and its wall time."""
+    import torch
+
+    from .decoding import Generation
+    from .utils import now
+
+    eos = list(eos_token_ids)
+    extra = {"cache_implementation": cache} if cache else {}
+
+    @torch.inference_mode()
+    def run(p: Sequence[int]) -> Generation:
+        ids = torch.tensor([list(p)], device=model.device)
+        t0 = now(model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
+        seconds = now(model.device) - t0
+        tokens = out[0, ids.shape[1]:].tolist()
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        return Generation(token_ids=tokens[:cut], prompt_len=ids.shape[1], accept_lengths=[1] * cut,
+                          total_s=seconds)
+    return run
+
+
+OLD_PATH = ("target.runtime=transformers", "target.dtype=float32")  # the path before the lean runtime
+
+
+def divergence(target: Target, prompt: Sequence[int], reference: Sequence[int], other: Sequence[int]
+               ) -> dict[str, Any] | None:
+    """Where two T = 0 outputs for one prompt part (None if one is a prefix of the other): the position,
+    both tokens, and the gap between the target's two largest logits there after the reference's prefix
+    (a near-tie that reduction order decided has a tiny gap; a real bug has a large one)."""
+    import torch
+
+    from .targets import lm_logits
+
+    k = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
+    if k is None:
+        return None
+    ids = torch.tensor([list(prompt) + list(reference[:k])], device=target.device)
+    with torch.inference_mode():
+        logits, _ = lm_logits(target, ids, None, torch.arange(ids.shape[1], device=target.device)[None], None)
+    top = logits[0, -1].topk(2).values
+    return {"position": k, "reference_token": int(reference[k]), "other_token": int(other[k]),
+            "top2_margin": float(top[0] - top[1])}
+
+
 def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int = 128, repeats: int = 3,
                    benchmarks: Sequence[str] = ("gsm8k", "mt-bench"), out_dir: str | Path | None = None,
-                   overrides: Sequence[str] = (), verify_repeats: int = 30, progress: bool = False) -> dict[str, Any]:
-    """AR vs speculative decoding with the oracle drafter, same prompts, same run, T = 0.
+                   overrides: Sequence[str] = (), verify_repeats: int = 30, progress: bool = False,
+                   compare: bool = True) -> dict[str, Any]:
+    """AR vs speculative decoding with the oracle drafter, same prompts, same run, T = 0; and the
+    project's AR against the path before the lean runtime and against transformers' ``generate()``.
 
     ``n_prompts`` first user turns split over ``benchmarks`` (MT-Bench: turn 1 only). Each repeat
-    decodes every prompt (batch 1) with AR and with the oracle, interleaved per prompt
-    (:func:`interleaved_runs`); tokens/s = tokens / seconds summed over prompts (prefill included). The
-    reported numbers are medians over repeats, with their spread (``spread``: quartiles and range). The
-    oracle's greedy continuations (``max_new_tokens + B + 1`` tokens) are computed once before any
-    timing (``oracle_prepare_s``, never counted as drafting). A speedup that contradicts its own tau
+    decodes every prompt (batch 1) with each runner, interleaved per prompt (:func:`interleaved_runs`):
+    ``ar`` (the project's AR on the preset's target), ``oracle`` (speculative with the oracle drafter)
+    and, with ``compare``, ``ar_old`` (the project's AR on the transformers forward in float32, the path
+    before the lean runtime), ``generate`` and ``generate_static`` (transformers' ``model.generate()``,
+    greedy, in the target's compute dtype, with its dynamic and its static cache). tokens/s = tokens /
+    seconds summed over prompts (prefill included). The reported numbers are medians over repeats, with
+    their spread (``spread``: quartiles and range); ratios are taken per repeat, then the median. The
+    oracle's greedy continuations (``max_new_tokens + B + 1`` tokens) are computed once before any timing
+    (``oracle_prepare_s``, never counted as drafting). A speedup that contradicts its own tau
     (:func:`speedup_flag`) is not reported: ``speedup`` is then None, ``speedup_measured`` holds the number
     and ``flag`` says why. The load average before and after goes with the provenance, and ``load_warning``
     says when the machine was busy. Writes ``results/<preset>/oracle_ceiling.json`` and ``.csv``
     (atomically) and returns the JSON payload.
     """
+    import copy
+
     from .config import load_config
-    from .decoding import generate_ar, generate_speculative, speedup, summarize
+    from .decoding import speedup, summarize
     from .reference_drafters import OracleDrafter
     from .targets import load_target
     from .utils import load_average, load_check, now, other_cpu_use, provenance, seed_everything, write_result
@@ -474,6 +538,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     cfg = load_config(preset, list(overrides))
     seed_everything(cfg.seed)
     target = load_target(cfg)
+    choice = dict(target.meta)  # the runtime and dtype chosen (a later load replaces the provenance record)
     B = cfg.drafter.block_size
     prompts = _benchmark_prompts(target, benchmarks, n_prompts)
     ids = [p for _, p in prompts]
@@ -481,35 +546,56 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     t0 = now(target.device)
     oracle.prepare(ids, max_new_tokens + B + 1)  # untimed: the oracle's own preparation
     prepare_s = now(target.device) - t0
-    generate_ar(target, ids[0], 8)  # warm-up (allocator, kernels)
-    generate_speculative(target, oracle, ids[0], 8)
+    runners: dict[str, Runner] = {"ar": decode_runner(target, None, max_new_tokens)}
+    old = None
+    if compare:
+        old = load_target(load_config(preset, [*overrides, *OLD_PATH]))
+        model = old.model if old.model.dtype == target.compute_dtype else copy.deepcopy(old.model).to(target.compute_dtype)
+        runners.update(ar_old=decode_runner(old, None, max_new_tokens),
+                       generate=generate_runner(model, target.eos_token_ids, max_new_tokens, None),
+                       generate_static=generate_runner(model, target.eos_token_ids, max_new_tokens, "static"))
+    runners["oracle"] = decode_runner(target, oracle, max_new_tokens)
+    for runner in runners.values():  # warm-up (allocator, kernels, caches): one untimed decode each
+        runner(ids[0])
 
-    runs = interleaved_runs(target, {"ar": None, "oracle": oracle}, ids, max_new_tokens, repeats, progress)
+    runs = interleaved_runs(runners, ids, repeats, progress)
     rows, per_repeat = [], []
-    mismatches: set[str] = set()
+    mismatches: dict[str, dict | None] = {}
     for r, run in enumerate(runs):
-        mismatches |= {pid for (pid, _), a, s in zip(prompts, run["ar"], run["oracle"]) if a.token_ids != s.token_ids}
-        s_ar, s_sd = summarize(run["ar"]), summarize(run["oracle"])
-        per_repeat.append({"repeat": r, "ar": s_ar, "oracle": s_sd, "speedup": speedup(s_ar, s_sd)})
-        for name, s in (("ar", s_ar), ("oracle", s_sd)):
+        for (pid, p), a, sd in zip(prompts, run["ar"], run["oracle"]):
+            if a.token_ids != sd.token_ids and pid not in mismatches:
+                mismatches[pid] = divergence(target, p, a.token_ids, sd.token_ids)
+        sums = {name: summarize(gens) for name, gens in run.items()}
+        rep = {"repeat": r, **sums, "speedup": speedup(sums["ar"], sums["oracle"])}
+        if compare:
+            rep["ar_over_old"] = sums["ar"]["tokens_per_s"] / sums["ar_old"]["tokens_per_s"]
+            rep["ar_over_generate"] = sums["ar"]["tokens_per_s"] / max(sums["generate"]["tokens_per_s"],
+                                                                       sums["generate_static"]["tokens_per_s"])
+        per_repeat.append(rep)
+        for name, s in sums.items():
             rows.append({"method": name, "repeat": r, **{k: s[k] for k in
                          ("tokens", "steps", "tau", "seconds", "tokens_per_s")}})
 
     context = ids[0][:max(1, min(len(ids[0]), target.cfg.max_context - B - 1))]
     ratio = verify_cost_ratio(target, context, B, repeats=verify_repeats)
     load = load_check(load_start, load_average(), own_load=_threads(), others=(others_start, other_cpu_use()))
-    spreads = {"ar_tokens_per_s": spread([p["ar"]["tokens_per_s"] for p in per_repeat]),
-               "oracle_tokens_per_s": spread([p["oracle"]["tokens_per_s"] for p in per_repeat]),
-               "speedup": spread([p["speedup"] for p in per_repeat])}
+    spreads = {f"{name}_tokens_per_s": spread([p[name]["tokens_per_s"] for p in per_repeat]) for name in runners}
+    spreads["speedup"] = spread([p["speedup"] for p in per_repeat])
+    for key in ("ar_over_old", "ar_over_generate"):
+        if compare:
+            spreads[key] = spread([p[key] for p in per_repeat])
     tau = statistics.median(p["oracle"]["tau"] for p in per_repeat)
     measured = spreads["speedup"]["median"]
     flag = speedup_flag(measured, tau, ratio["loop_ratio"])
     oracle_sd = per_repeat[-1]["oracle"]
     result = {
-        "what": "AR vs speculative decoding with the oracle drafter (tau = B ceiling), T=0, batch 1",
+        "what": "AR vs speculative decoding with the oracle drafter (tau = B ceiling), T=0, batch 1; the project's "
+                "AR vs the path before the lean runtime and vs transformers' generate()",
         "preset": preset, "target": target.name, "block_size": B, "n_prompts": len(ids),
         "prompt_ids": [pid for pid, _ in prompts], "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "order": "interleaved per prompt: AR, oracle, AR, oracle, ... (each repeat)",
+        "order": f"interleaved per prompt: {', '.join(runners)}, ... (each repeat)",
+        "runtime": {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting", "runtime_setting",
+                                               "row_invariance", "cpu_features")},
         "ar_tokens_per_s": spreads["ar_tokens_per_s"]["median"],
         "oracle_tokens_per_s": spreads["oracle_tokens_per_s"]["median"],
         "speedup": None if flag else measured,
@@ -520,6 +606,8 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "spread": spreads,
         "tokens": per_repeat[-1]["ar"]["tokens"],
         "lossless": not mismatches, "mismatched_prompts": sorted(mismatches),
+        "mismatch_fraction": len(mismatches) / len(ids),
+        "divergences": [{"prompt": pid, **(d or {"position": None})} for pid, d in sorted(mismatches.items())],
         "oracle_stage_seconds_last_repeat": {k: oracle_sd[k] for k in oracle_sd
                                              if k.endswith("_s") and k != "tokens_per_s"},
         "oracle_prepare_s": prepare_s,
@@ -528,6 +616,22 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "per_repeat": per_repeat,
         "provenance": provenance(preset, **load),
     }
+    if compare:
+        model_dtype = str(target.compute_dtype).removeprefix("torch.")
+        result["compare"] = {
+            "ar_old": {"what": "the project's AR on the transformers forward (DynamicCache) in float32: the path "
+                               "before the lean runtime (target.runtime=transformers target.dtype=float32)",
+                       "tokens_per_s": spreads["ar_old_tokens_per_s"]["median"]},
+            "generate": {"what": f"transformers' model.generate(), greedy, dynamic cache, {model_dtype}",
+                         "tokens_per_s": spreads["generate_tokens_per_s"]["median"]},
+            "generate_static": {"what": f"transformers' model.generate(), greedy, static cache, {model_dtype}",
+                                "tokens_per_s": spreads["generate_static_tokens_per_s"]["median"]},
+            "ar_over_old": spreads["ar_over_old"]["median"],
+            "ar_over_generate": spreads["ar_over_generate"]["median"],
+            "verify_cost_old": verify_cost_ratio(old, context, B, repeats=verify_repeats),
+        }
+        result["provenance"]["target_runtime"] = {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting",
+                                                                             "runtime_setting")}
     write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "oracle_ceiling", result, rows)
     return result
 
@@ -535,7 +639,9 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 # ================================================================================================ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments (shared by ``python -m xpress bench`` and this module)."""
-    parser.add_argument("study", choices=["oracle-ceiling"], help="which benchmark to run")
+    parser.add_argument("study", choices=["oracle-ceiling", "target-cost"],
+                        help="oracle-ceiling: AR vs a perfect drafter, and AR vs transformers' generate(); "
+                             "target-cost: the target's forward per component (xpress.studies.target_cost)")
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -547,6 +653,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.study == "target-cost":
+        from .studies.target_cost import run_target_cost
+
+        result = run_target_cost(args.preset, out_dir=args.out_dir, overrides=args.overrides,
+                                 progress=not args.no_progress)
+        print(json.dumps(result["break_even"], indent=2))
+        if result["load_warning"]:
+            print(f"warning: {result['load_warning']}", file=sys.stderr)
+        return 0
     result = oracle_ceiling(args.preset, args.n_prompts, args.max_new_tokens, args.repeats,
                             [b.strip() for b in args.benchmarks.split(",") if b.strip()], args.out_dir,
                             args.overrides, progress=not args.no_progress)

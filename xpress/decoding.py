@@ -273,6 +273,11 @@ class RaggedKV:
         score = self.mask.long() * L + torch.arange(L, device=self.mask.device)
         idx = score.argsort(dim=1)[:, L - kept:]  # holes first, then the row's kept columns in order
         self.mask = self.mask.gather(1, idx)
+        if hasattr(self.cache, "gather_columns"):  # the lean runtime's StaticKV
+            self.cache.gather_columns(idx)
+            self.length = kept
+            self._holes = min(self.counts) < kept
+            return
         for layer in self.cache.layers:
             g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, g)

@@ -280,6 +280,50 @@ def draw_latency(preset: str) -> Drawn | None:
                  f"{data.get('command', 'notebook 05') if isinstance(data, dict) else 'notebook 05'}.")
 
 
+def plot_target_cost(result: dict):
+    """The target's forward time split by component (stacked bars) against the new tokens, one panel per
+    (dtype, context) of the lean runtime, the transformers forward's total as black dots."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(result["rows"])
+    lean = df[df["runtime"] == "lean"]
+    old = df[(df["runtime"] == "transformers") & (df["component"] == "forward")]
+    dtypes, contexts = list(result["dtypes"]), list(result["contexts"])
+    comps = [c for c in result["components"]]
+    colors = dict(zip(comps, sns.color_palette("deep", len(comps))))
+    fig, axes = plt.subplots(len(dtypes), len(contexts), figsize=(3.2 * len(contexts), 2.8 * len(dtypes)),
+                             squeeze=False, sharey=True)
+    for i, dt in enumerate(dtypes):
+        for j, L in enumerate(contexts):
+            ax = axes[i][j]
+            d = lean[(lean["dtype"] == dt) & (lean["context"] == L)]
+            table = d.pivot(index="new_tokens", columns="component", values="median_ms").reindex(columns=comps)
+            table.clip(lower=0).plot.bar(stacked=True, ax=ax, color=[colors[c] for c in comps], legend=False, width=0.7)
+            o = old[old["context"] == L].set_index("new_tokens")["median_ms"].reindex(table.index)
+            ax.plot(range(len(o)), o.values, "ko", label="transformers float32 (total)")
+            ax.set_title(f"lean {dt}, context {L}", fontsize=9)
+            ax.set_xlabel("new tokens")
+            ax.set_ylabel("ms per forward" if j == 0 else "")
+            ax.tick_params(axis="x", rotation=0)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), frameon=False)
+    fig.suptitle("where a target forward spends its time (batch 1)")
+    fig.tight_layout()
+    return fig
+
+
+def draw_target_cost(preset: str) -> Drawn | None:
+    data = load_result(preset, "target_cost")
+    if not isinstance(data, dict) or not data.get("rows"):
+        return None
+    return Drawn("target_cost", plot_target_cost(data),
+                 "The target's forward per component for 1-16 new tokens after 64-1000 tokens of context, per dtype of "
+                 "the lean runtime; black dots: the transformers forward in float32. verify / step at B is the break-even "
+                 "tau with free drafting. Data: target_cost.json (python -m xpress bench target-cost).")
+
+
 def plot_batched(result: dict):
     """Throughput (tokens/s) and speedup over AR against the batch size, one line per method."""
     import matplotlib.pyplot as plt
@@ -352,7 +396,8 @@ def draw_resolution(preset: str) -> Drawn | None:
 
 
 DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
-           "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched}
+           "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
+           "target_cost": draw_target_cost}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:

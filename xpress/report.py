@@ -104,6 +104,33 @@ def _table1_section(t1: dict) -> list[str]:
     return out
 
 
+def _cpu_engine_section(preset: str, cost: dict | None, ceiling: dict | None) -> list[str]:
+    """The target's step and verify per runtime and dtype (``target_cost.json``) and the project's AR against
+    the path before the lean runtime and against transformers' ``generate()`` (``oracle_ceiling.json``)."""
+    out: list[str] = []
+    if cost:
+        out += [f"Target forward cost (`target_cost.json`, `python -m xpress bench target-cost --preset {preset}`; "
+                f"median ms, batch 1, {_where(cost['provenance'])}):", "",
+                "| runtime | dtype | context | 1-token step | verify of B | verify / step (break-even tau) |",
+                "|---|---|---|---|---|---|"]
+        for b in cost["break_even"]:
+            out.append(f"| {b['runtime']} | {b['dtype']} | {b['context']} | {b['step_ms']:.1f} | {b['verify_ms']:.1f} "
+                       f"(B = {b['block']}) | {b['verify_over_step']:.2f} |")
+        out.append("")
+    cmp = (ceiling or {}).get("compare")
+    if cmp:
+        rt = ceiling.get("runtime") or {}
+        out += [f"Autoregressive decoding, same prompts, same run (`oracle_ceiling.json`): the project's AR "
+                f"({rt.get('runtime', '?')} runtime, {rt.get('dtype', '?')}) {ceiling['ar_tokens_per_s']:.1f} tokens/s; "
+                f"before the lean runtime (transformers forward, float32) {cmp['ar_old']['tokens_per_s']:.1f} "
+                f"({cmp['ar_over_old']:.2f}x); transformers' `generate()` in {rt.get('dtype', '?')} "
+                f"{cmp['generate']['tokens_per_s']:.1f} (dynamic cache) and {cmp['generate_static']['tokens_per_s']:.1f} "
+                f"(static cache): ours / the faster = {cmp['ar_over_generate']:.2f}x. Speculative output equals "
+                f"greedy AR on {'every' if ceiling['lossless'] else 'NOT every'} prompt "
+                f"({len(ceiling['mismatched_prompts'])} of {ceiling['n_prompts']} differ).", ""]
+    return out
+
+
 def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> list[str]:
     """The tau at which speculative decoding breaks even on this machine, next to the measured tau."""
     out = []
@@ -253,6 +280,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
         out += _resolution_section(res)
     ceiling = _load(folder, "oracle_ceiling.json")
     out += _break_even_section(folder, t1, ceiling)
+    out += _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling)
     lat = _load(folder, "latency.json")
     if lat:
         out += _latency_section(lat)

@@ -9,6 +9,15 @@ Three sources (``cfg.target.source``):
 - ``hub``: a model-hub id (``Qwen/Qwen3-8B``) or a local folder in the same layout.
 - ``random``: a tiny, seeded, randomly initialised Llama with the embedded target's real tokenizer.
 
+Two runtimes compute the target's forward (``cfg.target.runtime``, :func:`choose_runtime`): the lean one of
+:mod:`xpress.runtime` (the default on a CPU: a pre-allocated KV cache, fused projections, bf16 where the
+CPU has native bf16, and a 16-token verify that reproduces 16 one-token steps bit for bit) and the
+transformers model's own forward with a growing ``DynamicCache``. Every forward of the project goes through
+:func:`target_forward` or :func:`lm_logits`, so the autoregressive baseline and the speculative engine
+always run the same one. With the lean runtime, ``Target.model`` (the transformers model, which drafters
+attach to and ``generate()`` runs) stays float32 on a CPU; ``Target.compute_dtype`` is what the target
+computes in.
+
 The drafter reads the hidden states of a few target layers (``layer_ids``), spread evenly from layer 1 to
 ``num_layers - 3`` as in dFlash; the feature of a token is the concatenation over those layers of
 ``hidden_states[id + 1]`` (index 0 of transformers' ``hidden_states`` is the embedding output).
@@ -72,6 +81,7 @@ class Target:
     eos_token_ids: list[int]
     name: str
     meta: dict[str, Any] = field(default_factory=dict)
+    runtime: Any = None  # an xpress.runtime.LeanModel, or None: the transformers forward
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +89,13 @@ class Target:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The transformers model's dtype (drafters are built in it; features are returned in it)."""
         return next(self.model.parameters()).dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the target's forward computes in (the lean runtime's, else the model's)."""
+        return self.runtime.dtype if self.runtime is not None else self.dtype
 
     @property
     def feature_size(self) -> int:
@@ -245,18 +261,60 @@ def load_target(cfg: Config, verbose: bool = False) -> Target:
     ``cfg.torch_threads`` (:func:`xpress.utils.apply_torch_threads`). Loading is quiet unless ``verbose``.
 
     Returns a :class:`Target` holding the model, the tokenizer, ``hidden_size``, ``vocab_size``,
-    ``num_layers`` and the ``layer_ids`` the drafter reads (``cfg.drafter.num_target_features`` of them).
+    ``num_layers``, the ``layer_ids`` the drafter reads (``cfg.drafter.num_target_features`` of them) and
+    the runtime that computes its forward (:func:`choose_runtime`; recorded in ``meta`` and provenance).
     """
     apply_torch_threads(cfg.torch_threads)
     with quiet_loading(verbose):
         return _load_target(cfg)
 
 
+def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
+    """The lean runtime for ``model`` or None (transformers), and why.
+
+    ``runtime: auto`` takes the lean runtime on a CPU for a supported architecture. The compute dtype is
+    ``target.dtype`` (``auto``: bf16 where native, :func:`xpress.runtime.resolve_dtype`). In bf16 on a CPU
+    the lean runtime must pass :func:`xpress.runtime.check_row_invariance` (a 16-token forward equal bit
+    for bit to 16 one-token forwards); under ``dtype: auto`` a failed check falls back to float32, which
+    the record says.
+    """
+    from . import runtime as rt
+
+    dtype = rt.resolve_dtype(tc.dtype)
+    record: dict[str, Any] = {"runtime": "transformers", "dtype": str(dtype).removeprefix("torch."),
+                              "dtype_setting": tc.dtype, "runtime_setting": tc.runtime,
+                              "cpu_features": rt.cpu_features()}
+    on_cpu = torch.device(tc.device).type == "cpu"
+    if tc.runtime == "transformers" or (tc.runtime == "auto" and not on_cpu):
+        return None, record
+    try:
+        lean = rt.LeanModel(model, dtype)
+    except rt.RuntimeUnsupported as e:
+        if tc.runtime == "lean":
+            raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
+        return None, {**record, "why_not_lean": str(e)}
+    record["runtime"] = "lean"
+    if on_cpu and dtype != torch.float32:
+        check = rt.check_row_invariance(lean)
+        record["row_invariance"] = check
+        if not check["exact"] and tc.dtype == "auto":
+            log.warning("bf16 forwards on this CPU are not row-invariant (max |diff| %.3g); the target "
+                        "computes in float32", check["max_abs_diff"])
+            lean = rt.LeanModel(model, torch.float32)
+            record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check")
+    return lean, record
+
+
 def _load_target(cfg: Config) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .runtime import record_choice, resolve_dtype
+
     tc = cfg.target
-    dtype = DTYPES[tc.dtype]
+    dtype = resolve_dtype(tc.dtype)
+    lean_cpu = tc.runtime != "transformers" and torch.device(tc.device).type == "cpu"
+    if lean_cpu:  # the transformers model (drafters, generate()) stays float32; the lean copy computes in dtype
+        dtype = torch.float32
     meta: dict[str, Any] = {"source": tc.source}
     if tc.source == "gguf":
         folder = _ensure_gguf_model(tc.gguf_package)
@@ -279,6 +337,11 @@ def _load_target(cfg: Config) -> Target:
         model = _random_model(tc, tokenizer, cfg.seed).to(dtype)
         name = tc.model or "random"
     model = model.to(tc.device).eval().requires_grad_(False)
+    lean, choice = choose_runtime(tc, model)
+    if lean is None and model.dtype != resolve_dtype(tc.dtype):
+        model = model.to(resolve_dtype(tc.dtype))
+    meta.update(choice)
+    record_choice(choice)
     n_layers = int(model.config.num_hidden_layers)
     return Target(
         model=model, tokenizer=tokenizer, cfg=tc,
@@ -286,7 +349,7 @@ def _load_target(cfg: Config) -> Target:
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         num_layers=n_layers,
         layer_ids=target_layer_ids(n_layers, cfg.drafter.num_target_features),
-        eos_token_ids=_eos_ids(model, tokenizer), name=name, meta=meta)
+        eos_token_ids=_eos_ids(model, tokenizer), name=name, meta=meta, runtime=lean)
 
 
 # ----------------------------------------------------------------------------------------------- chat
@@ -326,15 +389,27 @@ class TargetStep:
 
 
 def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None,
-                attention_mask: torch.Tensor | None, logits_to_keep: int, hidden_states: bool) -> Any:
-    """The transformers forward both functions below make, extending ``cache`` (a fresh one when None)."""
+                attention_mask: torch.Tensor | None, logits_to_keep: int,
+                hidden_states: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The forward both functions below make, extending ``cache`` (a fresh one when None), in the target's
+    runtime: logits [b, k, V] float32, the drafter features [b, n, F] in ``target.dtype`` (None unless
+    ``hidden_states``) and the cache (an :class:`xpress.runtime.StaticKV` or a transformers Cache)."""
+    lean = target.runtime
+    if lean is not None:
+        if cache is None:
+            cache = lean.new_cache(input_ids.shape[0], input_ids.shape[1])
+        logits, features = lean.forward(input_ids, cache, position_ids, attention_mask, logits_to_keep,
+                                        target.layer_ids if hidden_states else None)
+        return logits, (features.to(target.dtype) if features is not None else None), cache
     from transformers import DynamicCache
 
     if cache is None:
         cache = DynamicCache(config=target.model.config)
-    return target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
-                        attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
-                        logits_to_keep=logits_to_keep)
+    out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+                       attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
+                       logits_to_keep=logits_to_keep)
+    features = torch.cat([out.hidden_states[i + 1] for i in target.layer_ids], dim=-1) if hidden_states else None
+    return out.logits.float(), features, out.past_key_values
 
 
 def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
@@ -347,14 +422,13 @@ def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
     features for every input position. ``attention_mask`` [batch, cache_len + seq] marks real (1) and
     hole (0) key positions, for ragged batches.
     """
-    out = _model_call(target, input_ids, cache, position_ids, attention_mask, logits_to_keep, True)
-    hs = out.hidden_states
-    features = torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1)
-    return TargetStep(logits=out.logits.float(), features=features, cache=out.past_key_values)
+    logits, features, cache = _model_call(target, input_ids, cache, position_ids, attention_mask,
+                                           logits_to_keep, True)
+    return TargetStep(logits=logits, features=features, cache=cache)
 
 
 def lm_logits(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,
               attention_mask: torch.Tensor | None, logits_to_keep: int = 1) -> tuple[torch.Tensor, Any]:
     """A lean target forward (no hidden states): logits [b, logits_to_keep, V] float32 and the cache."""
-    out = _model_call(target, input_ids, cache, position_ids, attention_mask, logits_to_keep, False)
-    return out.logits.float(), out.past_key_values
+    logits, _, cache = _model_call(target, input_ids, cache, position_ids, attention_mask, logits_to_keep, False)
+    return logits, cache

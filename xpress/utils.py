@@ -164,6 +164,8 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
 
     import transformers
 
+    from .runtime import runtime_choice
+
     cpu_model = ""
     try:
         cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -184,6 +186,7 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
+        "target_runtime": runtime_choice(),
         **extra,
     }
 

@@ -93,16 +93,29 @@ class _Call:
 
 @contextmanager
 def capture_target_states(target) -> Iterator[list[_Call]]:
-    """Record, for every forward of ``target.model`` inside the block, the selected layers' outputs
+    """Record, for every forward of the target inside the block, the selected layers' outputs
     (the drafter features), the final-normed hidden state and the logsumexp of the kept logits.
 
-    Yields the list the calls are appended to, one :class:`_Call` per forward (in order). Hooks, not a
-    second forward: the engine's own generation forwards are observed, at no extra target cost.
+    Yields the list the calls are appended to, one :class:`_Call` per forward (in order; with the lean
+    runtime the list is filled when the block ends). Hooks on the transformers model, or the lean
+    runtime's own record, not a second forward: the engine's generation forwards are observed, at no
+    extra target cost.
     """
+    calls: list[_Call] = []
+    lean = getattr(target, "runtime", None)
+    if lean is not None:  # the lean runtime records its own forwards (xpress.runtime.LeanModel.capture)
+        lean.capture, lean.capture_layers = [], list(target.layer_ids)
+        try:
+            yield calls
+        finally:
+            records, lean.capture = lean.capture, None
+            for feats, hidden, logits in records:
+                calls.append(_Call(feats.to(torch.float16), hidden.to(torch.float16),
+                                   torch.logsumexp(logits[:, -1].float(), dim=-1)))
+        return
     decoder = target.model.get_decoder()
     layers = list(decoder.layers)
     wanted = {i: None for i in target.layer_ids}
-    calls: list[_Call] = []
     state: dict[str, Any] = {}
 
     def on_layer(i):

@@ -1,0 +1,447 @@
+"""A lean forward for Llama-family targets over a pre-allocated KV cache, built for decoding.
+
+Why it exists: on two CPU cores, the transformers forward of SmolLM2-135M spends a 16-token verify at
+about 2x a one-token step (the K/V cache grows by concatenation, small ops are not fused, and float32
+weights make a step memory-bound). This module runs the same weights with
+
+- the K/V written in place into a buffer that grows geometrically (:class:`StaticKV`); rolling back a
+  rejected tail only moves the length;
+- fused projections (one matmul for q, k, v and one for gate and up);
+- weights in the target dtype: bfloat16 where the CPU has native bf16 dot products (``target.dtype:
+  auto``, :func:`resolve_dtype`), float32 elsewhere;
+- attention written so that **a query row's result never depends on how many rows are computed with it**
+  (:func:`invariant_attention`): keys are scored in fixed 64-column chunks aligned to absolute cache
+  columns, each chunk's softmax is a fixed-length reduction, and the chunks are combined by a sequential
+  scan, so masked or absent columns add exact zeros. With bf16 weights the matrix products are row-
+  invariant too (oneDNN's bf16 kernels; checked at load by :func:`check_row_invariance`), so a 16-token
+  verify reproduces 16 one-token steps bit for bit and speculative decoding equals greedy decoding by
+  construction, not by luck. Prefill runs in chunks of :data:`ROW_CHUNK` tokens for the same reason.
+
+Supported: ``model_type`` in :data:`SUPPORTED` with default RoPE (Llama: SmolLM2; Qwen3: per-head q/k
+RMSNorm). Anything else runs through transformers (``target.runtime: transformers``).
+
+Shapes: ``b`` rows, ``n`` new tokens, ``L`` cached columns, ``H`` hidden, ``nh`` / ``nkv`` query / key-value
+heads of width ``hd``, ``g = nh // nkv`` query heads per key-value head, ``C`` key chunks of ``CHUNK``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "qwen3")
+CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
+ROW_CHUNK = 128  # tokens per forward in a long prefill (bounds the score matrix; rows stay invariant)
+K_CHUNK = 1024  # bf16 matmuls over more input features than this are split (row-invariant up to it here)
+
+
+class RuntimeUnsupported(ValueError):
+    """A model the lean runtime cannot run exactly (architecture or RoPE variant); use transformers."""
+
+
+def native_bf16() -> bool:
+    """Whether this machine multiplies bf16 natively: a CUDA device with bf16, or a CPU whose oneDNN has
+    bf16 kernels (AVX512-BF16 or AMX-BF16)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU's matrix features that decide the target dtype (from ``/proc/cpuinfo`` where present)."""
+    flags: set[str] = set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, "onednn_bf16": native_bf16() if not torch.cuda.is_available() else False}
+
+
+_LAST_CHOICE: dict[str, Any] = {}
+
+
+def record_choice(choice: dict[str, Any]) -> None:
+    """Remember the runtime and dtype a target was loaded with (:func:`xpress.targets.choose_runtime`)."""
+    _LAST_CHOICE.clear()
+    _LAST_CHOICE.update({k: choice[k] for k in ("runtime", "dtype", "dtype_setting", "runtime_setting")},
+                        row_invariant=choice.get("row_invariance", {}).get("exact"),
+                        cpu_features=choice.get("cpu_features"))
+
+
+def runtime_choice() -> dict[str, Any]:
+    """The runtime, dtype and row-invariance of the last target loaded in this process ({} if none): part
+    of every provenance block (:func:`xpress.utils.provenance`)."""
+    return dict(_LAST_CHOICE)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``target.dtype`` as a torch dtype; ``auto`` is bfloat16 where :func:`native_bf16`, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# ============================================================================================ KV cache
+class StaticKV:
+    """Pre-allocated keys and values for every layer: ``keys[i]`` / ``values[i]`` [b, nkv, capacity, hd].
+
+    The first :meth:`get_seq_length` columns hold the cache; writes go in place after them, the capacity
+    grows geometrically (a multiple of :data:`CHUNK`), :meth:`crop` only moves the length. The interface
+    is the part of transformers' ``Cache`` that the decoding loop uses (``get_seq_length``, ``crop``) plus
+    :meth:`gather_columns` for ragged batches.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = 256) -> None:
+        self.shape = (batch, n_kv, head_dim)
+        self.dtype, self.device = dtype, device
+        self.length = 0
+        cap = _round_up(max(capacity, CHUNK), CHUNK)
+        self.keys = [self._empty(cap) for _ in range(n_layers)]
+        self.values = [self._empty(cap) for _ in range(n_layers)]
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        b, nkv, hd = self.shape
+        return torch.zeros(b, nkv, capacity, hd, dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.length
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` columns (rounded up to a whole chunk), doubling at least."""
+        if length <= self.capacity:
+            return
+        cap = _round_up(max(length, 2 * self.capacity), CHUNK)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = self._empty(cap)
+                new[:, :, :self.length] = old[:, :, :self.length]
+                store[i] = new
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put the new columns' k, v [b, nkv, n, hd] after the cached ones (the length moves in :meth:`advance`)."""
+        n = k.shape[2]
+        self.keys[layer][:, :, self.length:self.length + n] = k
+        self.values[layer][:, :, self.length:self.length + n] = v
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` columns; a negative number removes that many (transformers' rule).
+        The dropped columns stay in the buffer (masked, overwritten by the next write)."""
+        self.length = self.length + max_length if max_length < 0 else min(self.length, max_length)
+
+    def gather_columns(self, idx: torch.Tensor) -> None:
+        """Row i keeps cache columns ``idx[i]`` [b, kept] in that order (ragged-batch compaction)."""
+        kept = idx.shape[1]
+        b, nkv, hd = self.shape
+        g = idx[:, None, :, None].expand(b, nkv, kept, hd)
+        for store in (self.keys, self.values):
+            for t in store:
+                t[:, :, :kept] = t[:, :, :self.length].gather(2, g)
+        self.length = kept
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ============================================================================================ weights
+class Linear:
+    """``y = x @ weight.T`` for a weight [out, in], in the form that is fastest and row-invariant here.
+
+    In the row-invariant regime (bf16 on a CPU with oneDNN) the weight is prepacked once into oneDNN's
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; about 2x faster than ``F.linear`` at 1
+    and at 16 rows, with the same bits), and a product over more than :data:`K_CHUNK` input features is
+    summed, in float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to
+    that depth). Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or float32 when split.
+    """
+
+    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+        self.out_features, self.in_features = weight.shape
+        k = self.in_features
+        parts = -(-k // K_CHUNK) if packed else 1
+        step = -(-k // parts)
+        self.slices = [(s, min(k, s + step)) for s in range(0, k, step)]
+        self.packed = packed
+        w = weight.detach().contiguous()
+        self.weights = [torch.ops.mkldnn._reorder_linear_weight(w[:, a:b].contiguous(), 16) if packed else w
+                        for a, b in self.slices]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return F.linear(x, self.weights[0])
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        out = None
+        for (a, b), w in zip(self.slices, self.weights):
+            y = torch.ops.mkldnn._linear_pointwise(x2 if len(self.slices) == 1 else x2[:, a:b].contiguous(), w,
+                                                   None, "none", [], "")
+            out = y if len(self.slices) == 1 else (y.float() if out is None else out + y.float())
+        return out.reshape(*lead, self.out_features)
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [H] float32
+    wqkv: Linear  # [(nh + 2 nkv) hd, H]
+    wo: Linear  # [H, nh hd]
+    ln2: torch.Tensor  # [H] float32
+    wgu: Linear  # [2 I, H]: gate rows, then up rows
+    wd: Linear  # [H, I]
+    q_norm: torch.Tensor | None  # [hd] float32 (Qwen3) or None
+    k_norm: torch.Tensor | None
+
+
+class LeanModel:
+    """The weights of a transformers Llama/Qwen3 ``*ForCausalLM`` rearranged for :meth:`forward`.
+
+    ``dtype`` is the matmul dtype (the weights'); norms, RoPE tables, the residual stream and the softmax
+    statistics stay float32.
+    """
+
+    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED:
+            raise RuntimeUnsupported(f"model_type {cfg.model_type!r} (the lean runtime runs {', '.join(SUPPORTED)})")
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise RuntimeUnsupported(f"RoPE type {rope.get('rope_type')!r} (the lean runtime runs the default)")
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise RuntimeUnsupported("attention or MLP biases")
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+            raise RuntimeUnsupported("sliding-window attention")
+        self.config = cfg
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.packed = dtype == torch.bfloat16 and self.device.type == "cpu" and native_bf16()  # see Linear
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.hidden = int(cfg.hidden_size)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.n_layers = int(cfg.num_hidden_layers)
+        base = model.model
+        f32 = torch.float32
+
+        def w(t: torch.Tensor) -> Linear:
+            return Linear(t.detach().to(dtype), packed=self.packed)
+
+        # RoPE pairs feature j with j + hd/2 in every head; the rows of wq and wk (and the q/k norms) are
+        # reordered so that each pair is adjacent and RoPE becomes one complex product (:meth:`_block`).
+        # q and k get the same order, so their dot products, and everything after, are unchanged.
+        hd = self.head_dim
+        pair = torch.arange(hd).view(2, hd // 2).t().reshape(-1)  # [0, hd/2, 1, hd/2 + 1, ...]
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [heads * hd, ...] with each head's rows reordered
+            return t.view(-1, hd, *t.shape[1:])[:, pair].reshape(t.shape)
+
+        self.layers = []
+        for layer in base.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            self.layers.append(LayerWeights(
+                ln1=layer.input_layernorm.weight.detach().to(f32),
+                wqkv=w(torch.cat([heads(at.q_proj.weight), heads(at.k_proj.weight), at.v_proj.weight])),
+                wo=w(at.o_proj.weight),
+                ln2=layer.post_attention_layernorm.weight.detach().to(f32),
+                wgu=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                wd=w(mlp.down_proj.weight),
+                q_norm=heads(at.q_norm.weight.detach().to(f32)) if hasattr(at, "q_norm") else None,
+                k_norm=heads(at.k_norm.weight.detach().to(f32)) if hasattr(at, "k_norm") else None))
+        self.norm = base.norm.weight.detach().to(f32)
+        self.embed = base.embed_tokens.weight.detach().to(dtype)  # [V, H]
+        self.lm_head = w(model.get_output_embeddings().weight)  # [V, H]
+        inv_freq = base.rotary_emb.inv_freq.detach().to(f32)
+        self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
+        self.inv_freq = inv_freq  # [hd / 2]
+        self._rot = torch.empty(0, self.head_dim // 2, dtype=torch.complex64)
+        self.capture: list | None = None  # when a list: every forward appends (features, normed hidden, logits)
+        self.capture_layers: list[int] = []  # the layers whose residual streams the capture keeps
+
+    # ------------------------------------------------------------------------------------- pieces
+    def new_cache(self, batch: int, capacity: int = 256) -> StaticKV:
+        return StaticKV(self.n_layers, batch, self.n_kv, self.head_dim, self.dtype, self.device, capacity)
+
+    def _rope_table(self, max_pos: int) -> torch.Tensor:
+        """RoPE as complex rotations [positions, hd / 2] complex64 for positions 0..max_pos-1 (grown
+        geometrically): ``scale * exp(i * pos * inv_freq)``."""
+        if self._rot.shape[0] < max_pos:
+            n = max(max_pos, 2 * self._rot.shape[0], 1024)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq.cpu())
+            self._rot = torch.polar(torch.full_like(freqs, self.rope_scale), freqs).to(self.device)
+        return self._rot
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    # ------------------------------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
+                feature_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``input_ids`` [b, n] after the ``L`` columns of ``cache`` and append their K/V.
+
+        position_ids [b, n] (default ``L..L+n-1``); attention_mask [b, L + n] 1 = real column, 0 = hole
+        (None: every column is real). Returns logits [b, k, V] float32 for the last ``k = logits_to_keep``
+        positions (0 = all) and, when ``feature_layers`` is given, the concatenated residual streams after
+        those layers [b, n, len(feature_layers) H] in the model dtype (None otherwise). A long input is run
+        in chunks of :data:`ROW_CHUNK` tokens, each seeing the ones before.
+        """
+        b, n = input_ids.shape
+        L0 = cache.length
+        if position_ids is None:
+            position_ids = torch.arange(L0, L0 + n, device=input_ids.device).expand(b, n)
+        cache.reserve(L0 + n)
+        keep = n if logits_to_keep <= 0 else min(logits_to_keep, n)
+        watch = self.capture is not None
+        layers = feature_layers if not watch else list(dict.fromkeys([*(feature_layers or []), *self.capture_layers]))
+        logits, feats, normed = [], [], []
+        for s in range(0, n, ROW_CHUNK):
+            e = min(n, s + ROW_CHUNK)
+            mask = None if attention_mask is None else attention_mask[:, :L0 + e]
+            h, f = self._block(input_ids[:, s:e], cache, position_ids[:, s:e], mask, layers)
+            if watch:
+                normed.append(self._rms(h, self.norm).to(self.dtype))
+            if e > n - keep:  # some of these positions' logits are asked for
+                x = normed[-1] if watch else self._rms(h, self.norm).to(self.dtype)
+                logits.append(self.lm_head(x[:, max(0, n - keep - s):]).float())
+            if f is not None:
+                feats.append(f)
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # noqa: E731
+        logits = cat(logits)
+        features = cat(feats) if feats else None
+        if watch:  # the states regeneration stores: the capture layers' features, the normed hidden, the logits
+            H = self.hidden
+            pick = [layers.index(j) for j in self.capture_layers]
+            self.capture.append((torch.cat([features[..., i * H:(i + 1) * H] for i in pick], -1), cat(normed), logits))
+            if feature_layers is not None:
+                features = torch.cat([features[..., layers.index(j) * H:(layers.index(j) + 1) * H]
+                                      for j in feature_layers], -1)
+            else:
+                features = None
+        return logits, features
+
+    def _block(self, ids: torch.Tensor, cache: StaticKV, pos: torch.Tensor, mask: torch.Tensor | None,
+               feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk of at most ROW_CHUNK tokens: the residual stream after the last layer [b, n, H]
+        float32 and the features (or None)."""
+        b, n = ids.shape
+        L = cache.length
+        rot = self._rope_table(int(pos.max()) + 1)[pos][:, :, None]  # [b, n, 1, hd / 2] complex
+        bias = attention_bias(b, n, L, self.n_heads // self.n_kv, mask, ids.device)  # [b, 1, g n, Lc], Lc = L + n rounded up to CHUNK
+        h = self.embed[ids].float()  # [b, n, H] residual stream, float32
+        feats = []
+        want = set(feature_layers or ())
+        for i, lw in enumerate(self.layers):
+            h = self._layer(h, lw, cache.keys[i], cache.values[i], L, rot, bias)
+            if i in want:
+                feats.append(h.to(self.dtype))
+        cache.advance(n)
+        if feature_layers is None:
+            return h, None
+        return h, torch.cat([feats[sorted(want).index(j)] for j in feature_layers], dim=-1)
+
+    def _layer(self, h: torch.Tensor, lw: LayerWeights, keys: torch.Tensor, values: torch.Tensor, L: int,
+               rot: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One decoder layer on the residual stream h [b, n, H] float32 -> [b, n, H]; writes the new K/V into
+        columns L.. of this layer's ``keys`` / ``values`` buffers [b, nkv, capacity, hd]."""
+        b, n, _ = h.shape
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        g, Lc = nh // nkv, bias.shape[-1]
+        qkv = lw.wqkv(self._rms(h, lw.ln1).to(self.dtype)).view(b, n, nh + 2 * nkv, hd)
+        qk = qkv[:, :, :nh + nkv].float()
+        if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k before RoPE
+            qk = torch.cat([self._rms(qk[:, :, :nh], lw.q_norm), self._rms(qk[:, :, nh:], lw.k_norm)], dim=2)
+        qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b, n, nh + nkv, hd // 2, 2)) * rot)
+        qk = qk.reshape(b, n, nh + nkv, hd).to(self.dtype)  # RoPE applied, [b, n, nh + nkv, hd]
+        keys[:, :, L:L + n] = qk[:, :, nh:].transpose(1, 2)
+        values[:, :, L:L + n] = qkv[:, :, nh + nkv:].to(self.dtype).transpose(1, 2)
+        q = qk[:, :, :nh].reshape(b, n, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * n, hd)
+        att = invariant_attention(q, keys[:, :, :Lc], values[:, :, :Lc], bias)  # [b, nkv, g n, hd]
+        att = att.view(b, nkv, g, n, hd).permute(0, 3, 1, 2, 4).reshape(b, n, nh * hd)
+        h = h + lw.wo(att.to(self.dtype)).float()
+        gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.dtype)).chunk(2, dim=-1)
+        return h + lw.wd((F.silu(gate) * up).to(self.dtype)).float()
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        bias: torch.Tensor) -> torch.Tensor:
+    """Attention whose result for one query never depends on the other queries or on masked columns.
+
+    q [b, nkv, g n, hd] (RoPE applied, matmul dtype; rows ordered (query head in group, token)); keys,
+    values [b, nkv, Lc, hd] with ``Lc`` a multiple of :data:`CHUNK`; bias [b, 1, g n, Lc] float32, 0 where
+    the row may attend and -inf elsewhere (:func:`attention_bias`). Returns [b, nkv, g n, hd] float32.
+
+    The scores are a matmul whose rows are independent (bf16: oneDNN). The softmax subtracts the row's
+    maximum (exact in any order). Its denominator and the value product are computed per chunk of CHUNK
+    columns (a fixed-length reduction and a matmul of fixed depth; masked columns are exact zeros) and
+    the chunks are combined by a cumulative sum, a sequential scan, so trailing empty chunks add exact
+    zeros. Hence a 16-token verify and 16 one-token steps give the same bits.
+    """
+    b, nkv, R, hd = q.shape
+    Lc = keys.shape[2]
+    C = Lc // CHUNK
+    s = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(hd)).add_(bias)  # [b, nkv, R, Lc]
+    top = s.amax(-1, keepdim=True).clamp_min_(-1e30)  # a row that may see nothing (a hole) gets exp(-inf) = 0
+    p = s.sub_(top).exp_().view(b, nkv, R, C, CHUNK)
+    den = p.sum(-1).cumsum(-1)[..., -1:]  # [b, nkv, R, 1]
+    o = torch.matmul(p.to(values.dtype).transpose(2, 3), values.view(b, nkv, C, CHUNK, hd))  # [b, nkv, C, R, hd]
+    num = o.float().cumsum(2)[:, :, -1]  # [b, nkv, R, hd]
+    return num / den.clamp_min(1e-30)
+
+
+def attention_bias(b: int, n: int, L: int, g: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The additive mask of :func:`invariant_attention`: [b, 1, g n, Lc] float32 over the first ``Lc``
+    columns (``L + n`` rounded up to a whole chunk). New token j sees columns ``< L + j + 1`` that are real
+    (``mask`` [b, L + n], 1 = real; None = all real); rows repeat for each of the g query heads of a group."""
+    Lc = _round_up(L + n, CHUNK)
+    col = torch.arange(Lc, device=device)
+    ok = (col[None, :] <= (L + torch.arange(n, device=device))[:, None])[None]  # [1, n, Lc]
+    if mask is not None:
+        real = torch.zeros(b, Lc, dtype=torch.bool, device=device)
+        real[:, :mask.shape[1]] = mask.bool()
+        ok = ok & real[:, None, :]
+    bias = torch.zeros(ok.shape, device=device).masked_fill_(~ok, float("-inf"))  # [b or 1, n, Lc]
+    return bias[:, None].expand(-1, g, n, Lc).reshape(bias.shape[0], 1, g * n, Lc)
+
+
+# ===================================================================================== invariance
+def check_row_invariance(lean: LeanModel, context: int = 150, n: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Run ``n`` random tokens after ``context`` random ones three ways -- in the prefill (one call over all
+    ``context + n``, in chunks of :data:`ROW_CHUNK`), as one n-token forward (a verify) and as n one-token
+    forwards (steps) -- and compare their logits and K/V bit for bit. Returns ``{"exact": bool,
+    "max_abs_diff": float, "context": context, "n": n}``. The lean runtime keeps bf16 only where this holds."""
+    gen = torch.Generator().manual_seed(seed)
+    V = lean.embed.shape[0]
+    ids = torch.randint(V, (1, context + n), generator=gen).to(lean.device)
+    runs = []
+    for how in ("prefill", "verify", "steps"):
+        cache = lean.new_cache(1, context + n)
+        if how == "prefill":
+            logits, _ = lean.forward(ids, cache, logits_to_keep=n)
+        else:
+            lean.forward(ids[:, :context], cache, logits_to_keep=1)
+            if how == "verify":
+                logits, _ = lean.forward(ids[:, context:], cache, logits_to_keep=0)
+            else:
+                logits = torch.cat([lean.forward(ids[:, context + j:context + j + 1], cache, logits_to_keep=1)[0]
+                                    for j in range(n)], dim=1)
+        runs.append((logits, [t[:, :, :context + n] for t in cache.keys + cache.values]))
+    (ref, ref_kv), others = runs[-1], runs[:-1]
+    exact = all(torch.equal(lg, ref) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv)) for lg, kv in others)
+    diff = max(float((lg - ref).abs().max()) for lg, _ in others)
+    return {"exact": exact, "max_abs_diff": diff, "context": context, "n": n}
