@@ -31,9 +31,45 @@ def table1_file(folder):
                              "command": "cmd", **table1_from_rows(rows, n_boot=20)})
 
 
+def target_cost_result():
+    """A synthetic target_cost.json: two dtypes of the lean runtime, two contexts, two sizes, and the old path."""
+    from xpress.studies.target_cost import COMPONENTS, break_even
+
+    rows = [{"runtime": "lean", "dtype": dt, "context": L, "new_tokens": n, "component": c,
+             "median_ms": (1 + COMPONENTS.index(c)) * n ** 0.5 * (2 if dt == "float32" else 1)}
+            for dt in ("float32", "bfloat16") for L in (64, 300) for n in (1, 16) for c in COMPONENTS]
+    rows += [{"runtime": "lean", "dtype": dt, "context": L, "new_tokens": n, "component": "forward",
+              "median_ms": sum(r["median_ms"] for r in rows if (r["dtype"], r["context"], r["new_tokens"]) == (dt, L, n))}
+             for dt in ("float32", "bfloat16") for L in (64, 300) for n in (1, 16)]
+    rows += [{"runtime": "transformers", "dtype": "float32", "context": L, "new_tokens": n, "component": "forward",
+              "median_ms": 40.0 * n ** 0.3} for L in (64, 300) for n in (1, 16)]
+    return {"dtypes": ["float32", "bfloat16"], "contexts": [64, 300], "new_tokens": [1, 16],
+            "components": list(COMPONENTS), "rows": rows, "break_even": break_even(rows, 16),
+            "provenance": {"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "abc", "date": "2026"}}
+
+
+def test_report_shows_the_target_cost_and_ar_against_generate(results):
+    from xpress.report import results_markdown
+
+    write(results, "target_cost", target_cost_result())
+    text = results_markdown("p", results)
+    assert "| transformers | float32 | 300 | 40.0 | 91.9 (B = 16) | 2.30 |" in text       # 40 * 16 ** 0.3 = 91.9
+    assert "| lean | bfloat16 | 64 | 15.0 | 60.0 (B = 16) | 4.00 |" in text
+    ceiling = {"ar_tokens_per_s": 30.0, "oracle_tokens_per_s": 240.0, "speedup": 8.0, "tau": 16.0, "block_size": 16,
+               "n_prompts": 8, "lossless": True, "mismatched_prompts": [], "verify_cost": {"loop_ratio": 1.4},
+               "runtime": {"runtime": "lean", "dtype": "bfloat16"}, "provenance": {},
+               "compare": {"ar_old": {"tokens_per_s": 15.0}, "generate": {"tokens_per_s": 20.0},
+                           "generate_static": {"tokens_per_s": 24.0}, "ar_over_old": 2.0, "ar_over_generate": 1.25}}
+    write(results, "oracle_ceiling", ceiling)
+    text = results_markdown("p", results)
+    assert "the project's AR (lean runtime, bfloat16) 30.0 tokens/s; before the lean runtime" in text
+    assert "15.0 (2.00x)" in text and "ours / the faster = 1.25x" in text and "equals greedy AR on every prompt" in text
+
+
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
-    assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched"}
+    assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched",
+                                          "target_cost"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -50,9 +86,10 @@ def test_every_figure_from_synthetic_files(results):
     write(results, "resolution", {"rel": 0.05, "prompts_per_benchmark": 3, "table": [
         {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
         for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
+    write(results, "target_cost", target_cost_result())
     drawn, missing = draw_all("p")
     assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
-                                                         "latency", "batched"]
+                                                         "latency", "batched", "target_cost"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0

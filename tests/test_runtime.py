@@ -169,3 +169,40 @@ def test_target_cost_rows_and_break_even(tmp_path):
     b = be[("lean", 70)]
     assert b["block"] == 4 and b["break_even_tau"] == pytest.approx(b["verify_ms"] / b["step_ms"])
     assert saved["provenance"]["git_revision"]
+
+
+def test_latency_study_times_the_lean_runtime(target):
+    from xpress.studies.latency import LatencyConfig, preset_shapes, time_target
+
+    shapes = preset_shapes(load_config("smoke"), context=20)
+    t = time_target(target.runtime, shapes, LatencyConfig(repeats=2, warmup=0))
+    assert len(t) == 2 and all(v["median_ms"] > 0 and v["repeats"] == 2 for v in t.values())
+
+
+def test_runtime_and_dtype_settings_are_validated():
+    from xpress.config import ConfigError
+
+    with pytest.raises(ConfigError, match="target.runtime='fast'"):
+        load_config("smoke", ["target.runtime=fast"])
+    with pytest.raises(ConfigError, match="auto, float32"):
+        load_config("smoke", ["target.dtype=int8"])
+    assert load_config("cpu").target.dtype == "auto" and load_config("cpu").target.runtime == "auto"
+
+
+@BF16
+def test_a_bf16_target_keeps_its_own_weights_in_the_float32_model():
+    """The drafters' readout (the float32 model's head) is the one the bf16 target computes with, so the
+    stored hidden state and logsumexp give the target's log-probs (regeneration's contract)."""
+    target = load_target(load_config("smoke", ["target.dtype=bfloat16"]))
+    assert target.dtype == torch.float32 and target.compute_dtype == torch.bfloat16
+    for p in target.model.parameters():
+        assert torch.equal(p, p.to(torch.bfloat16).float())
+    ids = torch.tensor([encode_chat(target.tokenizer, ["Tell me a joke."])])
+    lean = target.runtime
+    lean.capture, lean.capture_layers = [], list(target.layer_ids)
+    try:
+        logits, _ = lean.forward(ids, lean.new_cache(1), logits_to_keep=0)
+    finally:
+        (feats, hidden, kept), lean.capture = lean.capture[0], None
+    rebuilt = hidden.float() @ target.lm_head().weight.T  # the target's bf16 readout output, unrounded
+    torch.testing.assert_close(rebuilt, logits, rtol=2 ** -8, atol=1e-3)  # half a bf16 step

@@ -6,16 +6,19 @@ weights make a step memory-bound). This module runs the same weights with
 
 - the K/V written in place into a buffer that grows geometrically (:class:`StaticKV`); rolling back a
   rejected tail only moves the length;
-- fused projections (one matmul for q, k, v and one for gate and up);
+- fused projections (one matmul for q, k, v and one for gate and up), prepacked once into oneDNN's
+  blocked layout in bf16 (:class:`Linear`);
 - weights in the target dtype: bfloat16 where the CPU has native bf16 dot products (``target.dtype:
-  auto``, :func:`resolve_dtype`), float32 elsewhere;
+  auto``, :func:`resolve_dtype`), float32 elsewhere; norms, RoPE, softmax and the residual stream stay
+  float32;
 - attention written so that **a query row's result never depends on how many rows are computed with it**
-  (:func:`invariant_attention`): keys are scored in fixed 64-column chunks aligned to absolute cache
-  columns, each chunk's softmax is a fixed-length reduction, and the chunks are combined by a sequential
+  (:func:`invariant_attention`): the softmax subtracts the row maximum, its sums and the value product
+  are formed over fixed 64-column chunks aligned to absolute cache columns and combined by a sequential
   scan, so masked or absent columns add exact zeros. With bf16 weights the matrix products are row-
-  invariant too (oneDNN's bf16 kernels; checked at load by :func:`check_row_invariance`), so a 16-token
-  verify reproduces 16 one-token steps bit for bit and speculative decoding equals greedy decoding by
-  construction, not by luck. Prefill runs in chunks of :data:`ROW_CHUNK` tokens for the same reason.
+  invariant too (oneDNN's bf16 kernels up to a reduction depth of :data:`K_CHUNK`; checked at load by
+  :func:`check_row_invariance`), so a 16-token verify reproduces 16 one-token steps bit for bit and
+  speculative decoding equals greedy decoding by construction, not by luck. Long prefills run in chunks
+  of :data:`ROW_CHUNK` tokens.
 
 Supported: ``model_type`` in :data:`SUPPORTED` with default RoPE (Llama: SmolLM2; Qwen3: per-head q/k
 RMSNorm). Anything else runs through transformers (``target.runtime: transformers``).

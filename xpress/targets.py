@@ -15,8 +15,9 @@ CPU has native bf16, and a 16-token verify that reproduces 16 one-token steps bi
 transformers model's own forward with a growing ``DynamicCache``. Every forward of the project goes through
 :func:`target_forward` or :func:`lm_logits`, so the autoregressive baseline and the speculative engine
 always run the same one. With the lean runtime, ``Target.model`` (the transformers model, which drafters
-attach to and ``generate()`` runs) stays float32 on a CPU; ``Target.compute_dtype`` is what the target
-computes in.
+attach to and ``generate()`` runs) stays float32 on a CPU, holding the target's weights as the target
+computes with them (bf16 values, widened, when the lean runtime computes in bf16);
+``Target.compute_dtype`` is what the target computes in.
 
 The drafter reads the hidden states of a few target layers (``layer_ids``), spread evenly from layer 1 to
 ``num_layers - 3`` as in dFlash; the feature of a token is the concatenation over those layers of
@@ -40,7 +41,6 @@ from .utils import apply_torch_threads, atomic_dir
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetError(RuntimeError):
@@ -338,6 +338,12 @@ def _load_target(cfg: Config) -> Target:
         name = tc.model or "random"
     model = model.to(tc.device).eval().requires_grad_(False)
     lean, choice = choose_runtime(tc, model)
+    if lean is not None and lean.dtype != model.dtype:
+        # the float32 model keeps the values the target computes with (bf16, widened): the drafters' attached
+        # embedding and readout, and the readout that turns captured states into the target's distribution
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(lean.dtype))
     if lean is None and model.dtype != resolve_dtype(tc.dtype):
         model = model.to(resolve_dtype(tc.dtype))
     meta.update(choice)

@@ -379,12 +379,35 @@ def random_target(shapes: Shapes, lc: LatencyConfig):
 def time_target(model, shapes: Shapes, lc: LatencyConfig) -> dict[str, dict[str, float]]:
     """The target's 1-token decoding step (lean: one logit) and its B-token verification (every logit
     and the hidden states, as the decoding loop asks), after a ``shapes.context``-token prompt; the
-    cache is cropped back after each call."""
+    cache is cropped back after each call. ``model``: a transformers causal LM, or the lean runtime
+    (:class:`xpress.runtime.LeanModel`) that a preset's target computes with."""
     from transformers import DynamicCache
 
-    dev = next(model.parameters()).device
+    from ..runtime import LeanModel
+    from ..targets import target_layer_ids
+
     L, B = shapes.context, shapes.block_size
     g = torch.Generator().manual_seed(lc.seed)
+    if isinstance(model, LeanModel):
+        dev = model.device
+        ctx = torch.randint(model.embed.shape[0], (1, L), generator=g).to(dev)
+        kv = model.new_cache(1, L + B)
+        model.forward(ctx, kv, logits_to_keep=1)
+        feature_layers = target_layer_ids(model.n_layers, shapes.target_features)
+
+        def lean_call(n: int, verify: bool) -> Callable[[], None]:
+            ids = torch.randint(model.embed.shape[0], (1, n), generator=g).to(dev)
+
+            @torch.inference_mode()
+            def run() -> None:
+                model.forward(ids, kv, logits_to_keep=0 if verify else 1,
+                              feature_layers=feature_layers if verify else None)
+                kv.crop(-n)
+            return run
+
+        return {"target step (1 token)": time_call(lean_call(1, False), lc.repeats, lc.warmup, dev),
+                f"target verify ({B} tokens)": time_call(lean_call(B, True), lc.repeats, lc.warmup, dev)}
+    dev = next(model.parameters()).device
     ctx = torch.randint(model.config.vocab_size, (1, L), generator=g).to(dev)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -649,7 +672,7 @@ def run_latency(preset: str = "cpu", shape_sets: Sequence[str] = SHAPE_SETS, lc:
 
             cfg = load_config(preset, list(overrides))
             shapes = preset_shapes(cfg)
-            model = target.model if target is not None else (random_target(shapes, lc) if lc.target else None)
+            model = (target.runtime or target.model) if target is not None else (random_target(shapes, lc) if lc.target else None)
             if target is not None:
                 shapes = replace(shapes, name=f"{cfg.preset} preset: {target.name}")
         else:
