@@ -68,7 +68,7 @@ def test_unsupported_architectures_fall_back_or_refuse():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
-    cfg = load_config("smoke").target
+    cfg = load_config("smoke", ["target.runtime=auto", "target.dtype=bfloat16"]).target
     lean, record = rt_choice(cfg, model)
     assert lean is None and "gpt2" in record["why_not_lean"]
     cfg.runtime = "lean"
@@ -145,6 +145,13 @@ def test_auto_dtype_falls_back_to_float32_when_bf16_is_not_row_invariant(monkeyp
     target = load_target(load_config("smoke", ["target.dtype=auto"]))
     assert target.compute_dtype == torch.float32 and target.meta["dtype_reason"].startswith("bf16 failed")
     assert target.meta["row_invariance"]["exact"] is False
+
+
+def test_auto_keeps_the_transformers_forward_in_float32():
+    """The lean runtime was measured no faster than transformers in float32: ``auto`` takes it for bf16 only."""
+    target = load_target(load_config("smoke", ["target.runtime=auto", "target.dtype=float32"]))
+    assert target.runtime is None and target.meta["runtime"] == "transformers"
+    assert target.compute_dtype == torch.float32
 
 
 def test_resolve_dtype():

@@ -272,11 +272,14 @@ def load_target(cfg: Config, verbose: bool = False) -> Target:
 def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
     """The lean runtime for ``model`` or None (transformers), and why.
 
-    ``runtime: auto`` takes the lean runtime on a CPU for a supported architecture. The compute dtype is
-    ``target.dtype`` (``auto``: bf16 where native, :func:`xpress.runtime.resolve_dtype`). In bf16 on a CPU
-    the lean runtime must pass :func:`xpress.runtime.check_row_invariance` (a 16-token forward equal bit
-    for bit to 16 one-token forwards); under ``dtype: auto`` a failed check falls back to float32, which
-    the record says.
+    The compute dtype is ``target.dtype`` (``auto``: bf16 where native, :func:`xpress.runtime.resolve_dtype`).
+    ``runtime: auto`` takes the lean runtime on a CPU, for a supported architecture, when the target
+    computes in bf16: there it is about twice as fast as the transformers forward and exact by
+    construction. In float32 it was measured no faster (``target_cost.json``), so ``auto`` keeps the
+    transformers forward there (``runtime: lean`` still forces it). In bf16 on a CPU the lean runtime
+    must pass :func:`xpress.runtime.check_row_invariance` (a prefill, a 16-token forward and 16 one-token
+    forwards equal bit for bit); under ``dtype: auto`` a failed check falls back to the float32
+    transformers forward, which the record says.
     """
     from . import runtime as rt
 
@@ -285,7 +288,7 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
                               "dtype_setting": tc.dtype, "runtime_setting": tc.runtime,
                               "cpu_features": rt.cpu_features()}
     on_cpu = torch.device(tc.device).type == "cpu"
-    if tc.runtime == "transformers" or (tc.runtime == "auto" and not on_cpu):
+    if tc.runtime == "transformers" or (tc.runtime == "auto" and not (on_cpu and dtype != torch.float32)):
         return None, record
     try:
         lean = rt.LeanModel(model, dtype)
@@ -300,8 +303,10 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
         if not check["exact"] and tc.dtype == "auto":
             log.warning("bf16 forwards on this CPU are not row-invariant (max |diff| %.3g); the target "
                         "computes in float32", check["max_abs_diff"])
-            lean = rt.LeanModel(model, torch.float32)
             record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check")
+            if tc.runtime == "lean":
+                return rt.LeanModel(model, torch.float32), record
+            return None, {**record, "runtime": "transformers"}
     return lean, record
 
 
@@ -312,9 +317,8 @@ def _load_target(cfg: Config) -> Target:
 
     tc = cfg.target
     dtype = resolve_dtype(tc.dtype)
-    lean_cpu = tc.runtime != "transformers" and torch.device(tc.device).type == "cpu"
-    if lean_cpu:  # the transformers model (drafters, generate()) stays float32; the lean copy computes in dtype
-        dtype = torch.float32
+    if tc.runtime != "transformers" and torch.device(tc.device).type == "cpu":
+        dtype = torch.float32  # the transformers model (drafters, generate()) stays float32 (choose_runtime)
     meta: dict[str, Any] = {"source": tc.source}
     if tc.source == "gguf":
         folder = _ensure_gguf_model(tc.gguf_package)
