@@ -210,6 +210,6 @@ def test_a_bf16_target_keeps_its_own_weights_in_the_float32_model():
     try:
         logits, _ = lean.forward(ids, lean.new_cache(1), logits_to_keep=0)
     finally:
-        (feats, hidden, kept), lean.capture = lean.capture[0], None
+        (_, hidden, _), lean.capture = lean.capture[0], None
     rebuilt = hidden.float() @ target.lm_head().weight.T  # the target's bf16 readout output, unrounded
     torch.testing.assert_close(rebuilt, logits, rtol=2 ** -8, atol=1e-3)  # half a bf16 step

@@ -381,6 +381,7 @@ class LeanModel:
         gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.dtype)).chunk(2, dim=-1)
         return h + lw.wd((F.silu(gate) * up).to(self.dtype)).float()
 
+
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         bias: torch.Tensor) -> torch.Tensor:
     """Attention whose result for one query never depends on the other queries or on masked columns.

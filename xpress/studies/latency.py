@@ -54,7 +54,6 @@ import csv
 import io
 import os
 import re
-import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,7 +67,7 @@ from ..drafter import DFlashConfig, DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner, randomize_
 from ..jacobi import corrected_logits, jacobi_refine, prev_tokens, select, sequential_refine
 from ..timing import paired_ratio, summary, time_call, time_calls  # noqa: F401  (importable from here too)
-from ..utils import atomic_write_json, atomic_write_text, now, provenance
+from ..utils import atomic_write_json, atomic_write_text, provenance
 from ..vocab import DraftVocab
 
 SHAPE_SETS = ("preset", "paper", "tiny")
