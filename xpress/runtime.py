@@ -169,8 +169,8 @@ class Linear:
     """``y = x @ weight.T`` for a weight [out, in], in the form that is fastest and row-invariant here.
 
     In the row-invariant regime (bf16 on a CPU with oneDNN) the weight is prepacked once into oneDNN's
-    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; about 2x faster than ``F.linear`` at 1
-    and at 16 rows, with the same bits), and a product over more than :data:`K_CHUNK` input features is
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16
+    rows in a probe on a 2-core EPYC, with the same bits), and a product over more than :data:`K_CHUNK` input features is
     summed, in float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to
     that depth). Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or float32 when split.
     """
