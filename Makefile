@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook and the oracle ceiling on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+# Also: make studies (the long studies kept out of reproduce: the resolution study), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +10,7 @@ KERNEL := xpress
 PRESET ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup reproduce test test-slow lab clean-venv
+.PHONY: setup reproduce studies test test-slow lab clean-venv
 
 $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ reproduce: setup
 	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	@echo "files under results/ that now differ from git (M: rewritten, ??: new):"
 	@git status --short -- results/ 2>/dev/null || echo "(no git here: cannot list them)"
+
+studies: setup
+	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \

@@ -71,6 +71,24 @@ def test_readme_results_agree_with_files():
                                               f"`python -m xpress report --preset {preset}`")
 
 
+def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):
+    """The "Two commands" durations are run.json's: a whole run gives its total and every notebook's
+    minutes; a record of partial runs says so and names their revisions."""
+    from xpress import pipeline, report
+
+    monkeypatch.setattr(pipeline.paths, "RESULTS", tmp_path)
+    assert "has not been timed" in report.durations_markdown("smoke", tmp_path / "smoke")
+    pipeline.write_run_record("smoke", [], {"00_environment": {"seconds": 60.0, "git_revision": "abc1234", "date": "d"},
+                                            "03_cotraining": {"seconds": 1500.0, "git_revision": "abc1234", "date": "d"}},
+                              1590.0)
+    text = report.durations_markdown("smoke", tmp_path / "smoke")
+    assert "took **26 min**" in text and "| 03_cotraining | warm start + three methods trained | 25.0 |" in text
+    pipeline.write_run_record("smoke", [], {"00_environment": {"seconds": 6.0, "git_revision": "def5678", "date": "e"}},
+                              None)
+    text = report.durations_markdown("smoke", tmp_path / "smoke")
+    assert "No single `make reproduce`" in text and "abc1234"[:7] in text and "def5678" in text
+
+
 def test_a_smoke_run_writes_only_under_its_preset(tmp_path):
     """Results and figures are kept per preset: a smoke run (as `make test` makes one) writes under
     <results>/smoke/ and nowhere else, so the committed results/cpu/ cannot be touched by it."""

@@ -315,6 +315,11 @@ def test_resume_is_exact(root, data, monkeypatch):
     a = _where(monkeypatch, root, "resume-a")
     full = train(cfg, "xpress", progress=False, overwrite=True)
     assert full["warmstart"]["complete"] and full["xpress"]["complete"] and full["xpress"]["step"] == 4
+    from xpress.runtime import native_bf16
+    from xpress.train.loop import resolve_mixed_precision
+
+    # auto trains under bf16 autocast where bf16 is native (this test then checks resume under it), else fp32
+    assert full["xpress"]["mixed_precision"] == resolve_mixed_precision("auto") == ("bf16" if native_bf16() else "no")
 
     b = _where(monkeypatch, root, "resume-b")
     part = train(cfg, "xpress", progress=False, overwrite=True, stop_after=3)

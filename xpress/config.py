@@ -107,7 +107,7 @@ class TrainConfig:
     eval_prompts: int = 4  # validation prompts decoded per evaluation
     eval_max_new_tokens: int = 64
     refiner_only: bool = False  # freeze the drafter, train the head only (over a released dFlash drafter)
-    mixed_precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU; or "no", "bf16"
+    mixed_precision: str = "auto"  # auto: bf16 autocast where bf16 is native (GPU, AVX512-BF16/AMX CPU); "no"; "bf16"
 
 
 @dataclass
@@ -151,6 +151,7 @@ class EvalConfig:
     batched_methods: list[str] = field(default_factory=lambda: ["dflash", "xpress"])  # AR is always measured
     resolution_prompts: int = 32  # per benchmark, tau only, batched (notebook 04 section 4, studies.resolution)
     resolution_batch_size: int = 16
+    resolution_in_run: bool = True  # notebook 04 runs the resolution study; false: `make studies` runs it
 
 
 @dataclass

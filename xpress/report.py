@@ -4,7 +4,9 @@
     python -m xpress report --preset cpu --check  # exit 1 if README.md and results/ disagree
 
 The section between ``<!-- results:<preset>:begin -->`` and ``<!-- results:<preset>:end -->`` is
-:func:`results_markdown` of ``results/<preset>/``; a test fails when they differ.
+:func:`results_markdown` of ``results/<preset>/``, and the one between ``<!-- durations:<preset>:begin -->``
+and ``<!-- durations:<preset>:end -->`` (in "Two commands") is :func:`durations_markdown` of its
+``run.json``; a test fails when they differ.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from . import paths
 README = paths.REPO_ROOT / "README.md"
 
 
-def _markers(preset: str) -> tuple[str, str]:
-    return f"<!-- results:{preset}:begin -->", f"<!-- results:{preset}:end -->"
+def _markers(preset: str, kind: str = "results") -> tuple[str, str]:
+    return f"<!-- {kind}:{preset}:begin -->", f"<!-- {kind}:{preset}:end -->"
 
 
 def _load(folder: Path, name: str) -> dict | None:
@@ -315,15 +317,51 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     return "\n".join(out).strip() + "\n"
 
 
+# What each notebook does, in the words of the durations table (run.json's keys are the notebook names).
+STAGES = {"00_environment": "environment check", "01_data_regeneration": "the target regenerates the training data",
+          "02_refiner_and_theorems": "refiner and theorems", "03_cotraining": "warm start + three methods trained",
+          "04_speculative_decoding": "losslessness, Table 1, target cost", "05_jacobi_and_latency": "tau vs K, latency",
+          "06_batched_decoding": "batched table", "07_figures": "figures"}
+
+
+def durations_markdown(preset: str, folder: Path | None = None) -> str:
+    """How long ``make reproduce`` took, stage by stage, from ``results/<preset>/run.json`` (the lines under
+    "Two commands"), so a new user knows before starting."""
+    folder = folder or paths.REPO_ROOT / "results" / preset
+    run = _load(folder, "run.json")
+    if not run:
+        return f"`make reproduce` has not been timed on the {preset} preset yet (no `results/{preset}/run.json`).\n"
+    secs = run["notebook_seconds"]
+    rows = [f"| {name} | {STAGES.get(name, '')} | {v / 60:.1f} |" for name, v in secs.items()]
+    where = _where(run["provenance"])
+    if run.get("total_seconds") is not None:
+        head = (f"`make reproduce` on the {preset} preset took **{run['total_seconds'] / 60:.0f} min** for the notebooks "
+                f"({where}; `run.json`), plus the set-up of `.venv` on a fresh machine (a few minutes) and the oracle "
+                f"ceiling after them (a few minutes):")
+    else:
+        revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
+        head = (f"No single `make reproduce` on the {preset} preset is recorded: each notebook's last run "
+                f"(`run.json`, runs at git {', '.join(revs)}) took:")
+    return "\n".join([head, "", "| notebook | what | minutes |", "|---|---|---|", *rows]) + "\n"
+
+
+SECTIONS = {"results": results_markdown, "durations": durations_markdown}
+
+
 def render(preset: str, text: str | None = None) -> str:
-    """README text with the preset's section replaced (the markers must exist)."""
+    """README text with the preset's generated sections replaced (the results markers must exist; the
+    durations markers are optional)."""
     text = README.read_text() if text is None else text
-    begin, end = _markers(preset)
-    if begin not in text or end not in text:
-        raise ValueError(f"README.md has no {begin} ... {end} section")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{begin}\n{results_markdown(preset)}{end}{tail}"
+    for kind, make in SECTIONS.items():
+        begin, end = _markers(preset, kind)
+        if begin not in text or end not in text:
+            if kind == "results":
+                raise ValueError(f"README.md has no {begin} ... {end} section")
+            continue
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{make(preset)}{end}{tail}"
+    return text
 
 
 def main(preset: str, check: bool = False) -> int:
