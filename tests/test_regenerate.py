@@ -223,3 +223,37 @@ def test_other_config_is_refused_unless_overwrite(tmp_path, reference, capsys, m
     assert m["config_hash"] == config_hash(regen_signature(load_config("smoke", other)))
     assert m["sequences"] == {"train": 2, "val": 1} and m["shards"] == 2
     assert len(list(_folder(tmp_path).glob("shard-*"))) == 2, "old shards must be gone"
+
+
+# ------------------------------------------------------------------------------------ several processes
+def test_two_processes_equal_one(tmp_path, reference, torchrun):
+    """torchrun, 2 gloo CPU processes resume an interrupted run (shards 0 and 3 done, a temporary left):
+    each regenerates its share of the missing shards; every shard (rows and captured states) is the
+    one-process run's bit for bit, the finished ones untouched, and rank 0 alone writes the manifest."""
+    import shutil
+
+    folder = _folder(tmp_path)
+    for name in ("shard-00000", "shard-00003"):
+        shutil.copytree(reference / name, folder / name)
+    shutil.copy(reference / "config_hash", folder / "config_hash")
+    (folder / ".shard-00001.stale").mkdir()  # what a kill during a shard's write leaves
+    before = _mtimes(folder / "shard-00003")
+    proc = torchrun(*_command()[1:], env=_env(tmp_path))  # -m xpress regenerate ...
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["skipped"] is False, "one report, by rank 0"
+    folder = _folder(tmp_path)
+    mine, ref = _shards(folder), _shards(reference)
+    assert [s["name"] for s in mine] == [s["name"] for s in ref] == [f"shard-{i:05d}" for i in range(N_SHARDS)]
+    for a, b in zip(mine, ref):
+        assert a["rows"] == b["rows"], a["name"]
+        for k in ARRAYS:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (a["name"], k)
+    m, r = (json.loads((f / "manifest.json").read_text()) for f in (folder, reference))
+    for k in ("config_hash", "shards", "sequences", "response_tokens", "total_tokens", "finish_reasons"):
+        assert m[k] == r[k], k
+    assert m["this_run"]["shards_generated"] == N_SHARDS - 2 and m["this_run"]["processes"] == 2
+    assert _mtimes(folder / "shard-00003") == before, "a finished shard was rewritten"
+    assert m["provenance"]["world_size"] == 2 and m["provenance"]["devices"] == ["cpu", "cpu"]
+    assert r["provenance"]["world_size"] == 1 and r["this_run"]["processes"] == 1
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], "temporary entries left"

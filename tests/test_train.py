@@ -497,18 +497,14 @@ def test_cli_bad_inputs(root, data, tmp_path, monkeypatch, capsys):
 
 
 # ----------------------------------------------------------------------------------------------- DDP
-def test_two_processes_stay_identical(root, data, tmp_path):
+def test_two_processes_stay_identical(root, data, tmp_path, torchrun):
     """torchrun, 2 gloo CPU processes: each draws other sequences and anchors, so only the all-reduced
     gradients keep them equal; each saves its own weights (XPRESS_SAVE_EVERY_RANK=1)."""
     from safetensors.torch import load_file
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.is_file():
-        pytest.skip("torchrun is not installed beside this python")
     env = {**_env(tmp_path), "XPRESS_DATA": str(root / "data"), "XPRESS_SAVE_EVERY_RANK": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "xpress", "train",
-                           "--preset", "smoke", "--method", "xpress", "--no-progress", *DATA, *TRAIN],
-                          capture_output=True, text=True, cwd=paths.REPO_ROOT, env=env, timeout=600)
+    proc = torchrun("-m", "xpress", "train", "--preset", "smoke", "--method", "xpress", "--no-progress", *DATA, *TRAIN,
+                    env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = tmp_path / "checkpoints" / "smoke" / "xpress"
     r0, r1 = load_file(str(folder / "rank0.safetensors")), load_file(str(folder / "rank1.safetensors"))

@@ -9,6 +9,9 @@ Commands:
   bench    benchmark records, e.g. ``python -m xpress bench oracle-ceiling --preset cpu``
   latency  latency per block (Table 3 / Figure 4): ``python -m xpress latency --preset cpu --target``
   regenerate  the target answers the training prompts (resumable): ``python -m xpress regenerate --preset cpu``
+           (several processes, each its share of the shards: ``torchrun --nproc_per_node N -m xpress regenerate
+           ...`` or ``accelerate launch -m xpress regenerate ...``; the studies too, e.g. ``torchrun
+           --nproc_per_node N -m xpress.studies.table1 --preset cpu``, and .resolution, .batched)
   report   README.md's results section from the result files: ``python -m xpress report --preset cpu``
   train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
            (several processes: ``accelerate launch -m xpress train ...`` or ``torchrun --nproc_per_node N -m xpress train ...``)
@@ -81,19 +84,26 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
+    """Regenerate; under ``torchrun`` / ``accelerate launch`` every rank takes its share of the shards and
+    rank 0 alone reports. Exit 2 with one line on bad input or ranks that disagree or die, 130 on Ctrl-C."""
+    from . import distributed
     from .config import load_config
     from .train.regenerate import RegenerationError, regenerate
     from .targets import TargetError
 
     try:
-        m = regenerate(load_config(args.preset, args.overrides), progress=not args.no_progress,
-                       overwrite=args.overwrite)
-    except (RegenerationError, TargetError) as e:
+        with distributed.session():
+            m = regenerate(load_config(args.preset, args.overrides), progress=not args.no_progress,
+                           overwrite=args.overwrite)
+            main = distributed.is_main()
+    except (RegenerationError, TargetError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: every finished shard is kept; rerun the same command to continue", file=sys.stderr)
         return 130
+    if not main:  # several processes: one report
+        return 0
     if m.get("skipped"):
         print(f"regenerate: {m['sequences']} sequences already complete for this config; nothing to do", file=sys.stderr)
     print(json.dumps({k: m[k] for k in ("sequences", "response_tokens", "skipped_long_prompts", "disk_bytes",
@@ -103,6 +113,7 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .config import load_config
+    from .distributed import DistributedError
     from .drafter import DrafterMismatchError
     from .targets import TargetError
     from .train.loop import TrainingError, train
@@ -111,7 +122,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         out = train(load_config(args.preset, args.overrides), args.method, progress=not args.no_progress,
                     overwrite=args.overwrite, stop_after=args.stop_after)
-    except (TrainingError, RegenerationError, TargetError, DrafterMismatchError, FileNotFoundError) as e:
+    except (TrainingError, RegenerationError, TargetError, DrafterMismatchError, FileNotFoundError,
+            DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

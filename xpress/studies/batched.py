@@ -9,6 +9,13 @@ Batched rows decode as they would alone only up to floating-point reduction orde
 shapes), so the share of outputs equal to AR at batch 1 is recorded, not asserted.
 
     python -m xpress.studies.batched --preset cpu     # writes results/<preset>/batched.{json,csv}
+    torchrun --nproc_per_node N -m xpress.studies.batched --preset cpu    # the groups split over N processes
+
+Several processes (``torchrun`` / ``accelerate launch``, :mod:`xpress.distributed`): at each batch size,
+group ``j`` (the same prompts as in one process) is decoded by rank ``j mod N``; the runs are merged back
+into the one-process order and rank 0 writes the same files. Tokens and steps equal a one-process run's;
+the seconds are each process's own clock, summed, and the provenance records ``world_size`` and
+``devices``.
 """
 from __future__ import annotations
 
@@ -20,8 +27,8 @@ from typing import Any, Sequence
 from .. import paths
 from ..utils import write_result
 from ..config import Config
-from .compare import AR, LoadRecord, benchmark_prompts, make_drafters, study_cli, warm_up, weights_of
-from .table1 import _provenance
+from .compare import AR, LoadRecord, agree_on_study, benchmark_prompts, make_drafters, study_main, warm_up, weights_of
+from .table1 import _all_warnings, _provenance
 
 # The paper's Table 2 (vLLM with FlashAttention-3, Qwen3-8B on one H200, greedy, 1024 generated tokens; arXiv
 # 2608.02438): tau (mean over batch sizes) and speedup over AR at batch 16 and 32, per benchmark.
@@ -79,11 +86,15 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
                 n_prompts: int | None = None, max_new_tokens: int | None = None, untrained_ok: bool = False,
                 progress: bool = True, save: bool = True) -> dict[str, Any]:
     """Measure the batched table (defaults from ``cfg.eval``); with ``save``, write
-    ``results/<preset>/batched.{json,csv}`` atomically with provenance. Returns the JSON payload."""
+    ``results/<preset>/batched.{json,csv}`` atomically with provenance. Returns the JSON payload.
+    Under a launcher every rank decodes its share of the groups and returns the merged payload; rank 0
+    writes it."""
     from tqdm.auto import tqdm
 
+    from .. import distributed
     from ..decoding import generate_batch
 
+    distributed.setup()
     e = cfg.eval
     batch_sizes = sorted(set(batch_sizes or e.batch_sizes))
     n_prompts = n_prompts or max(e.batched_prompts, max(batch_sizes))
@@ -91,31 +102,42 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
     load = LoadRecord.start()
     drafters = make_drafters(cfg, target, list(methods or e.batched_methods), untrained_ok)
     prompts = batched_prompts(cfg, target, n_prompts)
+    agree_on_study(cfg, prompts, study="batched", methods=list(drafters), batch_sizes=batch_sizes,
+                   max_new_tokens=max_new_tokens)
     warm_up(target, drafters, prompts[0]["ids"])
     ids = [p["ids"] for p in prompts]
-    runs, reference = [], None
-    bar = tqdm(total=sum(math.ceil(n_prompts / b) for b in batch_sizes) * len(drafters), desc="batched",
-               unit="call", disable=not progress)
+    calls = [(b, start) for b in batch_sizes for start in range(0, n_prompts, b)]
+    mine = distributed.split(calls)
+    local = []
+    bar = tqdm(total=len(mine) * len(drafters), desc="batched", unit="call",
+               disable=not (progress and distributed.is_main()))
+    for b, start in mine:
+        for m, d in drafters.items():
+            t0 = time.perf_counter()
+            gens = generate_batch(target, d, ids[start:start + b], max_new_tokens)
+            seconds = time.perf_counter() - t0
+            local.append({"batch_size": b, "method": m, "start": start, "sequences": len(gens),
+                          "tokens": sum(len(g.token_ids) for g in gens), "steps": sum(g.n_steps for g in gens),
+                          "seconds": seconds, "outputs": [g.token_ids for g in gens]})
+            bar.update(1)
+            bar.set_postfix(batch=b, method=m)
+    bar.close()
+    place = {c: i for i, c in enumerate(calls)}
+    runs = distributed.gather_ordered(local, lambda r: place[(r["batch_size"], r["start"])], "gathering the runs")
+    reference = None
     for b in batch_sizes:
         outputs: dict[str, list] = {m: [] for m in drafters}
-        for start in range(0, n_prompts, b):
-            for m, d in drafters.items():
-                t0 = time.perf_counter()
-                gens = generate_batch(target, d, ids[start:start + b], max_new_tokens)
-                seconds = time.perf_counter() - t0
-                outputs[m] += [g.token_ids for g in gens]
-                runs.append({"batch_size": b, "method": m, "start": start, "sequences": len(gens),
-                             "tokens": sum(len(g.token_ids) for g in gens), "steps": sum(g.n_steps for g in gens),
-                             "seconds": seconds})
-                bar.update(1)
-                bar.set_postfix(batch=b, method=m)
+        for r in runs:
+            if r["batch_size"] == b:
+                outputs[r["method"]] += r["outputs"]
         reference = reference or outputs[AR]  # AR at the smallest batch size (batch 1 when measured)
         for r in runs:
             if r["batch_size"] == b:
                 out = outputs[r["method"]][r["start"]:r["start"] + r["sequences"]]
                 r["same_as_ar_b1"] = sum(o == ref for o, ref in zip(out, reference[r["start"]:]))
-    bar.close()
-    warnings = load.stop()
+    for r in runs:
+        del r["outputs"]
+    warnings = _all_warnings(load.stop())
     table = throughput_table(runs)
     result = {"what": "throughput at several batch sizes, greedy, same prompts, one run (Table 2 analogue)",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
@@ -123,16 +145,23 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
               "n_prompts": n_prompts, "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": max_new_tokens,
               "temperature": 0.0, "reference_batch_size": batch_sizes[0], "table": table, "runs": runs,
               "warnings": warnings, "command": f"python -m xpress.studies.batched --preset {cfg.preset}  (or notebook 06)",
-              "provenance": _provenance(cfg, load)}
-    if save:
+              "provenance": _provenance(cfg, load, target.device)}
+    if save and distributed.is_main():
         write_result(paths.RESULTS / cfg.preset, "batched", result, table)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, target, args = study_cli(argv, "python -m xpress.studies.batched", __doc__, "eval.batch_sizes=[1,4]")
+    return study_main(argv, "python -m xpress.studies.batched", __doc__, "eval.batch_sizes=[1,4]", _main)
+
+
+def _main(cfg: Config, target, args) -> int:
+    from .. import distributed
+
     result = run_batched(cfg, target, untrained_ok=cfg.target.source == "random",
                          progress=not args.no_progress)
+    if not distributed.is_main():
+        return 0
     for r in result["table"]:
         print(f"batch {r['batch_size']:>3} {r['method']:>7}: {r['tokens_per_s']:.1f} tokens/s, "
               f"{r['speedup']:.2f}x AR, tau {r['tau']:.2f}")

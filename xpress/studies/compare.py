@@ -126,9 +126,11 @@ def warm_up(target, drafters: Mapping[str, Any], prompt_ids: Sequence[int], temp
 
 def decode_interleaved(target, drafters: Mapping[str, Any], prompts: Sequence[dict], max_new_tokens: int,
                        temperature: float = 0.0, seed: int = 0, repeats: int = 1, progress: bool = True,
-                       desc: str = "decode") -> list[dict]:
+                       desc: str = "decode", indices: Sequence[int] | None = None) -> list[dict]:
     """Decode every prompt (batch 1) with every method of ``drafters`` (``"ar"``: None, first), in the
     order prompt -> repeat -> method, so that a slow phase of the machine hits all methods alike.
+    ``indices``: each prompt's place in the full list (its T > 0 generator, :func:`prompt_generator`),
+    when ``prompts`` is one process's share of it (default ``0, 1, ...``).
 
     Returns one row per (prompt, repeat, method): ``{"temperature", "seed", "repeat", "bench", "id",
     "method", "lossless", **generation_row}``. ``lossless``: at T = 0 whether the output equals AR's token
@@ -142,8 +144,9 @@ def decode_interleaved(target, drafters: Mapping[str, Any], prompts: Sequence[di
         raise ValueError(f"drafters must start with {AR!r} (the reference every output is checked against); "
                          f"got {list(drafters)}")
     rows: list[dict] = []
+    indices = range(len(prompts)) if indices is None else indices
     bar = tqdm(total=len(prompts) * repeats * len(drafters), desc=desc, unit="run", disable=not progress)
-    for i, p in enumerate(prompts):
+    for i, p in zip(indices, prompts):
         for r in range(repeats):
             ar_tokens = None
             for m, d in drafters.items():
@@ -159,6 +162,40 @@ def decode_interleaved(target, drafters: Mapping[str, Any], prompts: Sequence[di
                 bar.set_postfix(bench=p["bench"], method=m, tau=f"{g.tau:.2f}")
     bar.close()
     return rows
+
+
+def prompt_order(prompts: Sequence[dict]) -> dict[tuple[str, str], int]:
+    """``{(bench, id): place}`` of each prompt in ``prompts``: the key that merges the rows of several
+    processes back into the one-process order (:func:`xpress.distributed.gather_ordered`)."""
+    return {(p["bench"], p["id"]): i for i, p in enumerate(prompts)}
+
+
+def agree_on_study(cfg: Config, prompts: Sequence[dict], **settings: Any) -> None:
+    """Several processes: stop every rank with one line unless all hold the same config, study settings
+    and prompts (:func:`xpress.distributed.agree`); nothing for one process."""
+    from .. import distributed
+
+    distributed.agree("config hash", {"config": cfg.to_dict(), **settings},
+                      "launch every rank with the same --preset and overrides")
+    distributed.agree("prompts hash", [[p["bench"], p["id"], p["ids"]] for p in prompts],
+                      "give every rank the same data/ and tokenizer (XPRESS_DATA, the same package versions)")
+
+
+def study_main(argv: Sequence[str] | None, prog: str, doc: str, example: str, body) -> int:
+    """A study's command line: :func:`study_cli`, inside the launcher's process group when started by
+    ``torchrun`` / ``accelerate launch`` (:func:`xpress.distributed.session`); ``body(cfg, target, args)``
+    returns the exit code (it prints on rank 0 only). Ranks that disagree or die: one line, exit 2."""
+    import sys
+
+    from .. import distributed
+
+    try:
+        with distributed.session():
+            cfg, target, args = study_cli(argv, prog, doc, example)
+            return body(cfg, target, args)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def study_cli(argv: Sequence[str] | None, prog: str, doc: str, example: str):

@@ -19,6 +19,12 @@ half-width is at most 5%, so a 5% difference falls outside it; and, from this ru
 prompts per benchmark a 5% difference would need (:func:`xpress.studies.table1.prompts_needed`).
 
     python -m xpress.studies.resolution --preset cpu    # writes results/<preset>/resolution.{json,csv}
+    torchrun --nproc_per_node N -m xpress.studies.resolution --preset cpu   # the batches split over N processes
+
+Several processes (``torchrun`` / ``accelerate launch``, :mod:`xpress.distributed`): batch ``i`` (the
+same prompts, with the same generator, as in one process) is decoded by rank ``i mod N``, the rows are
+merged back into the one-process order and rank 0 writes the same files: every tau, token and step count
+equals a one-process run's.
 """
 from __future__ import annotations
 
@@ -29,27 +35,32 @@ from typing import Any, Sequence
 from .. import paths
 from ..config import Config
 from ..utils import write_result
-from .compare import LoadRecord, benchmark_prompts, make_drafters, prompt_generator, study_cli, weights_of
-from .table1 import BASELINES, HEAD, _provenance, bootstrap_tau_ratio, prompts_needed
+from .compare import (LoadRecord, agree_on_study, benchmark_prompts, make_drafters, prompt_generator, prompt_order,
+                      study_main, weights_of)
+from .table1 import BASELINES, HEAD, _all_warnings, _provenance, bootstrap_tau_ratio, prompts_needed
 
 REL = 0.05  # the tau difference to resolve
 
 
 def decode_tau(target, drafters: dict[str, Any], prompts: Sequence[dict], max_new_tokens: int, batch_size: int,
-               temperature: float, seed: int, progress: bool = True) -> list[dict]:
+               temperature: float, seed: int, progress: bool = True, batches: Sequence[int] | None = None
+               ) -> list[dict]:
     """Decode ``prompts`` with every drafter (no AR), ``batch_size`` at a time; at T > 0 the generator of
     batch ``i`` is :func:`prompt_generator` (seed, i) for every method. One row per (prompt, method):
     ``{"temperature", "seed", "repeat": 0, "bench", "id", "method", "tokens", "steps"}`` (the fields
-    :func:`xpress.studies.table1.per_prompt` reads)."""
+    :func:`xpress.studies.table1.per_prompt` reads). ``batches``: decode only these batch indices (one
+    process's share; default all)."""
     from tqdm.auto import tqdm
 
     from ..decoding import generate_batch
 
     rows: list[dict] = []
     groups = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    bar = tqdm(total=len(groups) * len(drafters), desc=f"tau at T={temperature:g}", unit="batch",
+    batches = range(len(groups)) if batches is None else batches
+    bar = tqdm(total=len(batches) * len(drafters), desc=f"tau at T={temperature:g}", unit="batch",
                disable=not progress)
-    for i, group in enumerate(groups):
+    for i in batches:
+        group = groups[i]
         for m, d in drafters.items():
             gen = prompt_generator(target.device, seed, i) if temperature > 0 else None
             gens = generate_batch(target, d, [p["ids"] for p in group], max_new_tokens, temperature, gen)
@@ -105,7 +116,12 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
                    save: bool = True) -> dict[str, Any]:
     """Decode and summarise (defaults from ``cfg.eval``: ``resolution_prompts``, ``max_new_tokens`` as
     Table 1, ``resolution_batch_size``, ``sampling_temperature``; the seed is ``cfg.seed``). With ``save``,
-    writes ``results/<preset>/resolution.{json,csv}`` atomically with provenance; returns the payload."""
+    writes ``results/<preset>/resolution.{json,csv}`` atomically with provenance; returns the payload.
+    Under a launcher every rank decodes its share of the batches and returns the merged payload; rank 0
+    writes it."""
+    from .. import distributed
+
+    distributed.setup()
     e = cfg.eval
     methods = list(methods or e.methods)
     per_benchmark = per_benchmark or e.resolution_prompts
@@ -117,11 +133,18 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
     drafters = make_drafters(cfg, target, methods, untrained_ok)
     drafters.pop("ar")  # tau of AR is 1 by definition; nothing here is timed
     prompts = benchmark_prompts(cfg, target, per_benchmark)
+    agree_on_study(cfg, prompts, study="resolution", methods=methods, per_benchmark=per_benchmark,
+                   max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature)
+    mine = distributed.split(range(-(-len(prompts) // batch_size)))  # batch indices
+    order = prompt_order(prompts)
     rows = []
     for t in (0.0, temperature):
-        rows += decode_tau(target, drafters, prompts, max_new_tokens, batch_size, t, cfg.seed, progress)
+        local = decode_tau(target, drafters, prompts, max_new_tokens, batch_size, t, cfg.seed,
+                           progress and distributed.is_main(), batches=mine)
+        rows += distributed.gather_ordered(local, lambda r: order[(r["bench"], r["id"])] // batch_size,
+                                           f"gathering the rows at T={t:g}")
     table = resolution_table(rows, e.bootstrap, cfg.seed)
-    warnings = load.stop()
+    warnings = _all_warnings(load.stop())
     result = {"what": f"tau ratios on {per_benchmark} prompts per benchmark, batched, to resolve a "
                       f"{REL:.0%} tau difference (Table 1's tau on more prompts)",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
@@ -132,16 +155,22 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
               "taus": method_taus(rows), "table": table, "prompts_needed": prompts_needed(rows, REL),
               "warnings": warnings, "seconds": time.perf_counter() - t0,
               "command": f"python -m xpress.studies.resolution --preset {cfg.preset}  (or notebook 04)",
-              "rows": rows, "provenance": _provenance(cfg, load)}
-    if save:
+              "rows": rows, "provenance": _provenance(cfg, load, target.device)}
+    if save and distributed.is_main():
         write_result(paths.RESULTS / cfg.preset, "resolution", result, table)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, target, args = study_cli(argv, "python -m xpress.studies.resolution", __doc__,
-                                  "eval.resolution_prompts=8")
+    return study_main(argv, "python -m xpress.studies.resolution", __doc__, "eval.resolution_prompts=8", _main)
+
+
+def _main(cfg: Config, target, args) -> int:
+    from .. import distributed
+
     result = run_resolution(cfg, target, untrained_ok=cfg.target.source == "random", progress=not args.no_progress)
+    if not distributed.is_main():
+        return 0
     for r in result["table"]:
         if r["bench"] == "avg":
             print(f"T={r['temperature']:g} xpress/{r['baseline']}: {r['tau_ratio']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] "

@@ -9,11 +9,18 @@ at T > 0 losslessness is distributional (notebook 04 tests it) and only tau and 
 speedup above its own tau is impossible (a verify costs at least a 1-token step) and is flagged, never
 silently reported. The load average before and after is stored, with a warning when the machine was busy.
 
+Several processes (``torchrun`` / ``accelerate launch``, :mod:`xpress.distributed`): prompt ``i`` is
+decoded by rank ``i mod N`` (with its own generator, as in one process), the rows are merged back into
+the one-process order and rank 0 writes the same files, so tau, tokens and steps equal a one-process
+run's; the timings are each process's own clock, and the provenance records ``world_size`` and
+``devices`` (processes sharing a CPU slow each other down).
+
 Statistics over prompts: a bootstrap (prompts resampled within each benchmark, the same prompts for both
 methods) gives the 95% interval of tau(xPress) / tau(baseline); :func:`prompts_needed` says how many
 prompts per benchmark would put a 5% tau difference outside the spread.
 
     python -m xpress.studies.table1 --preset cpu      # writes results/<preset>/table1.{json,csv}
+    torchrun --nproc_per_node N -m xpress.studies.table1 --preset cpu     # the prompts split over N processes
     from xpress.studies.table1 import run_table1
     result = run_table1(cfg, target)
 """
@@ -26,8 +33,8 @@ from typing import Any, Sequence
 from .. import paths
 from ..utils import write_result
 from ..config import Config
-from .compare import (AR, LoadRecord, benchmark_prompts, decode_interleaved, make_drafters, study_cli, warm_up,
-                      weights_of)
+from .compare import (AR, LoadRecord, agree_on_study, benchmark_prompts, decode_interleaved, make_drafters,
+                      prompt_order, study_main, warm_up, weights_of)
 
 HEAD = "xpress"
 BASELINES = ("dflash", "markov")
@@ -267,7 +274,12 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
     """Measure Table 1 (defaults from ``cfg.eval``) and, with ``save``, write
     ``results/<preset>/table1.{json,csv}`` atomically with provenance. Returns the JSON payload:
     :func:`table1_from_rows` plus the settings, the drafters' weights, the per-decode ``rows``, the load
-    warnings and the provenance. Model drafters need trained checkpoints unless ``untrained_ok``."""
+    warnings and the provenance. Model drafters need trained checkpoints unless ``untrained_ok``.
+    Under a launcher every rank decodes its share of the prompts and returns the merged payload; rank 0
+    writes it."""
+    from .. import distributed
+
+    distributed.setup()
     e = cfg.eval
     methods = list(methods or e.methods)
     per_benchmark = per_benchmark or e.prompts_per_benchmark
@@ -278,15 +290,23 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
     load = LoadRecord.start()
     drafters = make_drafters(cfg, target, methods, untrained_ok)
     prompts = benchmark_prompts(cfg, target, per_benchmark)
+    agree_on_study(cfg, prompts, study="table1", methods=methods, per_benchmark=per_benchmark,
+                   max_new_tokens=max_new_tokens, repeats=repeats, seeds=seeds, temperature=temperature)
+    main = distributed.is_main()
+    mine, order = distributed.split(range(len(prompts))), prompt_order(prompts)
     warm_up(target, drafters, prompts[0]["ids"])
     if seeds:
         warm_up(target, drafters, prompts[0]["ids"], temperature)  # the sampling path too
-    rows = decode_interleaved(target, drafters, prompts, max_new_tokens, 0.0, cfg.seed, repeats, progress,
-                              desc="Table 1, T=0")
+
+    def decode(t: float, seed: int, reps: int, desc: str) -> list[dict]:
+        local = decode_interleaved(target, drafters, [prompts[i] for i in mine], max_new_tokens, t, seed, reps,
+                                   progress and main, desc=desc, indices=mine)
+        return distributed.gather_ordered(local, lambda r: order[(r["bench"], r["id"])], f"gathering {desc}")
+
+    rows = decode(0.0, cfg.seed, repeats, "Table 1, T=0")
     for s in seeds:
-        rows += decode_interleaved(target, drafters, prompts, max_new_tokens, temperature, s, 1, progress,
-                                   desc=f"Table 1, T={temperature:g} seed {s}")
-    warnings = load.stop()
+        rows += decode(temperature, s, 1, f"Table 1, T={temperature:g} seed {s}")
+    warnings = _all_warnings(load.stop())
     result = {"what": "Table 1: tau by decoding held-out benchmark prompts and speedup over AR, batch 1, "
                       "interleaved per prompt",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
@@ -298,25 +318,43 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
               "warnings": warnings, "paper_avg": {str(t): v for t, v in PAPER_AVG.items()},
               "command": f"python -m xpress.studies.table1 --preset {cfg.preset}  (or notebook 04)",
               "rows": rows,
-              "provenance": _provenance(cfg, load)}
-    for f in result["flags"]:
+              "provenance": _provenance(cfg, load, target.device)}
+    for f in result["flags"] if main else []:
         print(f"FLAG: T={f['temperature']:g} {f['method']} {f['bench']}: speedup {f['speedup']:.2f} > tau {f['tau']:.2f}")
-    if save:
+    if save and main:
         write_result(paths.RESULTS / cfg.preset, "table1", result, result["summary"])
     return result
 
 
-def _provenance(cfg: Config, load: LoadRecord) -> dict[str, Any]:
+def _provenance(cfg: Config, load: LoadRecord, device=None) -> dict[str, Any]:
+    """Provenance of a study's timings: the machine, its load (rank 0's), and ``world_size`` and
+    ``devices`` (one per process, :func:`xpress.distributed.describe`). A collective: call on every rank."""
     import torch
 
+    from .. import distributed
     from ..utils import provenance
 
-    return provenance(cfg.preset, torch_threads=torch.get_num_threads(), **load.provenance())
+    return provenance(cfg.preset, torch_threads=torch.get_num_threads(), **load.provenance(),
+                      **distributed.describe(device))
+
+
+def _all_warnings(warnings: list[str]) -> list[str]:
+    """The load warnings of every rank (each once), for the merged result."""
+    from .. import distributed
+
+    return list(dict.fromkeys(w for part in distributed.gather(warnings, "gathering the load warnings") for w in part))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, target, args = study_cli(argv, "python -m xpress.studies.table1", __doc__, "eval.repeats=3")
+    return study_main(argv, "python -m xpress.studies.table1", __doc__, "eval.repeats=3", _main)
+
+
+def _main(cfg: Config, target, args) -> int:
+    from .. import distributed
+
     result = run_table1(cfg, target, untrained_ok=cfg.target.source == "random", progress=not args.no_progress)
+    if not distributed.is_main():
+        return 0 if result["lossless_t0"] else 1
     avg = [r for r in result["summary"] if r["bench"] == "avg"]
     for r in avg:
         print(f"T={r['temperature']:g} {r['method']:>7}: tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x {r['flag']}")

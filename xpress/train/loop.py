@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import paths
+from .. import distributed, paths
 from ..config import Config
 from ..drafter import DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner
@@ -399,6 +399,8 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
                                   cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
+    distributed.agree("config hash", config_hash(signature),
+                      "launch every rank with the same --preset, --method and overrides")
     data = data or RegenData.load(cfg)
     target = target or load_target(cfg)
     vocab, coverage = build_vocab(cfg, target, data)

@@ -2,6 +2,8 @@
 it must predict at inference (the dFlash / SpecForge recipe: greedy, T = 0, chat template, thinking off).
 
     python -m xpress regenerate --preset cpu       # data/cpu/regen/
+    torchrun --nproc_per_node N -m xpress regenerate --preset cpu     # the shards split over N processes
+    accelerate launch -m xpress regenerate --preset cpu               # the same under accelerate
 
 Prompts come from :func:`xpress.data.training_prompts` (GSM8K train, MATH train, ShareGPT first turns;
 benchmark questions excluded). The last ``data.n_val_prompts`` of them form the validation split, never
@@ -29,7 +31,9 @@ offset) and ``features.npy``, ``hidden.npy``, ``lse.npy`` (rows of all its seque
 from ``offset``). ``manifest.json`` is written last: its presence with a matching config hash means the
 data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
 only the missing ones (deterministic: the same prompts in the same shards), so no record is lost or
-duplicated; a complete run rerun does nothing.
+duplicated; a complete run rerun does nothing. Under a launcher (:mod:`xpress.distributed`) each rank
+generates its share of the missing shards and rank 0 writes the manifest when all exist; the shards are
+the same whatever the number of processes (see :func:`regenerate`).
 """
 from __future__ import annotations
 
@@ -244,27 +248,16 @@ def _write_shard(folder: Path, table: dict[str, list], arrays: dict[str, np.ndar
             np.save(tmp / f"{k}.npy", v)
 
 
-def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Regenerate ``data/<preset>/regen`` (resuming an interrupted run); return the manifest.
-
-    A folder holding a complete run of the same config is left alone (the manifest is returned with
-    ``"skipped": True``). Shards of another config raise :class:`RegenerationError` unless ``overwrite``.
-    """
+def _prepare(folder: Path, digest: str, overwrite: bool) -> dict[str, Any] | None:
+    """Rank 0's look at the folder before anyone writes: the manifest of a complete run of this config
+    (returned), or a folder made ready (stamped, temporaries of a killed run removed; None)."""
     import shutil
 
-    from tqdm.auto import tqdm
-
-    from ..targets import load_target
-    from ..utils import atomic_write_json, provenance
-
-    folder = regen_dir(cfg)
-    signature = regen_signature(cfg)
-    digest = config_hash(signature)
     manifest_file = folder / MANIFEST
     if manifest_file.is_file():
         manifest = json.loads(manifest_file.read_text())
         if manifest.get("config_hash") == digest:
-            return {**manifest, "skipped": True}
+            return manifest
     stamp = folder / "config_hash"
     if folder.exists() and any(folder.iterdir()):
         old = stamp.read_text().strip() if stamp.is_file() else "unknown"
@@ -281,49 +274,108 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
+    return None
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
+
+
+def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """Regenerate ``data/<preset>/regen`` (resuming an interrupted run); return the manifest.
+
+    A folder holding a complete run of the same config is left alone (the manifest is returned with
+    ``"skipped": True``). Shards of another config raise :class:`RegenerationError` unless ``overwrite``.
+
+    Several processes (``torchrun`` / ``accelerate launch``, :mod:`xpress.distributed`): the ranks first
+    check that they hold the same config and prompts, rank 0 prepares the folder, the missing shards are
+    dealt out (:func:`xpress.distributed.split`: missing shard ``j`` to rank ``j mod N``), and rank 0
+    writes the manifest once every rank is done and every shard exists. Each shard is the same whatever
+    the number of processes; every rank returns the manifest.
+    """
+    from tqdm.auto import tqdm
+
+    from .. import distributed
+    from ..targets import load_target
+    from ..utils import atomic_write_json, provenance
+
+    distributed.setup()
+    world = distributed.world_size()
+    folder = regen_dir(cfg)
+    signature = regen_signature(cfg)
+    digest = config_hash(signature)
+    distributed.agree("config hash", digest, "launch every rank with the same --preset and overrides")
+    distributed.agree("regen folder", str(folder.resolve()), "give every rank the same XPRESS_DATA")
+    done = distributed.on_main(lambda: _prepare(folder, digest, overwrite), "preparing the regen folder")
+    if done is not None:
+        return {**done, "skipped": True}
 
     t_start = time.perf_counter()
     target = target or load_target(cfg)
     records, skipped = _prompts(cfg, target.tokenizer)
+    distributed.agree("prompts hash", [[r["id"], r["split"], r["prompt_ids"]] for r in records],
+                      "give every rank the same data/ and tokenizer (XPRESS_DATA, the same package versions)")
     size = cfg.data.regen_shard_size
     shards = [records[s:s + size] for s in range(0, len(records), size)]
-    todo = [i for i in range(len(shards)) if not (folder / f"shard-{i:05d}" / "rows").is_dir()]
-    done_prompts = sum(len(shards[i]) for i in range(len(shards)) if i not in todo)
-    bar = tqdm(total=len(records), initial=done_prompts, desc=f"regenerate {cfg.preset}", unit="prompt",
-               disable=not progress, dynamic_ncols=True)
+    todo = distributed.on_main(lambda: [i for i in range(len(shards))
+                                        if not (folder / _shard_name(i) / "rows").is_dir()], "listing the shards")
+    mine = distributed.split(todo)
+
+    def on_disk() -> int:  # prompts in finished shards, every rank's
+        return sum(len(s) for i, s in enumerate(shards) if (folder / _shard_name(i) / "rows").is_dir())
+
+    main = distributed.is_main()
+    bar = tqdm(total=len(records), initial=on_disk(), unit="prompt", dynamic_ncols=True,
+               desc=f"regenerate {cfg.preset}" + (f" ({world} processes)" if world > 1 else ""),
+               disable=not (progress and main))
     new_tokens, gen_s = 0, 0.0
     try:
-        for i in todo:
+        for i in mine:
             t0 = time.perf_counter()
             table, arrays = _generate_shard(target, cfg, shards[i])
-            _write_shard(folder / f"shard-{i:05d}", table, arrays)
+            _write_shard(folder / _shard_name(i), table, arrays)
             gen_s += time.perf_counter() - t0
             new_tokens += sum(len(x) - p for x, p in zip(table["input_ids"], table["prompt_len"]))
-            bar.update(len(shards[i]))
+            bar.update(on_disk() - bar.n)
             bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.0f}", shard=f"{i + 1}/{len(shards)}")
     finally:
         bar.close()
+    ran = distributed.gather({"tokens": new_tokens, "seconds": gen_s}, "waiting for every rank's shards")
+    machine = distributed.describe(target.device)
 
-    data = RegenData.load(cfg, require_complete=False)
-    counts = {s: data.count(s) for s in SPLITS}
-    tokens = {s: data.response_tokens(s) for s in SPLITS}
-    disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    total_tokens = sum(len(r) for r in data.input_ids)
-    manifest = {
-        "what": "target-regenerated training data (greedy, chat template, thinking off)",
-        "preset": cfg.preset, "target": target.name, "config_hash": digest, "signature": signature,
-        "shards": len(shards), "sequences": counts, "response_tokens": tokens, "total_tokens": total_tokens,
-        "skipped_long_prompts": skipped, "max_prompt_tokens": max_prompt_tokens(cfg),
-        "finish_reasons": data.finish_reasons(),
-        "cached_features": cfg.data.cache_features,
-        "feature_bytes_per_token": (2 * target.feature_size + 2 * target.hidden_size + 4) if cfg.data.cache_features else 0,
-        "disk_bytes": disk,
-        "this_run": {"new_response_tokens": new_tokens, "seconds": time.perf_counter() - t_start,
-                     "generation_seconds": gen_s, "tokens_per_s": new_tokens / gen_s if gen_s else None,
-                     "shards_generated": len(todo)},
-        "provenance": provenance(cfg.preset),
-    }
-    atomic_write_json(manifest_file, manifest)
+    def finish() -> dict[str, Any]:
+        missing = [_shard_name(i) for i in range(len(shards)) if not (folder / _shard_name(i) / "rows").is_dir()]
+        if missing:
+            raise RegenerationError(
+                f"{len(missing)} shard(s) missing in {folder} after every rank finished ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}): every rank must write to the same folder (a shared "
+                f"filesystem for data/); rerun to generate them")
+        data = RegenData.load(cfg, require_complete=False)
+        counts = {s: data.count(s) for s in SPLITS}
+        tokens = {s: data.response_tokens(s) for s in SPLITS}
+        disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        total_tokens = sum(len(r) for r in data.input_ids)
+        tok = sum(r["tokens"] for r in ran)
+        wall = max(r["seconds"] for r in ran)  # the ranks generate side by side
+        manifest = {
+            "what": "target-regenerated training data (greedy, chat template, thinking off)",
+            "preset": cfg.preset, "target": target.name, "config_hash": digest, "signature": signature,
+            "shards": len(shards), "sequences": counts, "response_tokens": tokens, "total_tokens": total_tokens,
+            "skipped_long_prompts": skipped, "max_prompt_tokens": max_prompt_tokens(cfg),
+            "finish_reasons": data.finish_reasons(),
+            "cached_features": cfg.data.cache_features,
+            "feature_bytes_per_token": ((2 * target.feature_size + 2 * target.hidden_size + 4)
+                                        if cfg.data.cache_features else 0),
+            "disk_bytes": disk,
+            "this_run": {"new_response_tokens": tok, "seconds": time.perf_counter() - t_start,
+                         "generation_seconds": wall, "tokens_per_s": tok / wall if wall else None,
+                         "shards_generated": len(todo), "processes": len(ran)},
+            "provenance": provenance(cfg.preset, **machine),
+        }
+        atomic_write_json(folder / MANIFEST, manifest)
+        return manifest
+
+    manifest = distributed.on_main(finish, "writing the manifest")
     return {**manifest, "skipped": False}
 
 
