@@ -13,6 +13,9 @@ Commands:
            ...`` or ``accelerate launch -m xpress regenerate ...``; the studies too, e.g. ``torchrun
            --nproc_per_node N -m xpress.studies.table1 --preset cpu``, and .resolution, .batched)
   report   README.md's results section from the result files: ``python -m xpress report --preset cpu``
+  rehearsal-assets  write the qwen3-tiny stand-ins (target, released drafter) if missing:
+           ``python -m xpress rehearsal-assets --preset qwen3-tiny`` (loading the target does it too)
+  gpu-hours  GPU-hours per stage at a preset's sizes: ``python -m xpress gpu-hours --preset qwen3-8b``
   train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
            (several processes: ``accelerate launch -m xpress train ...`` or ``torchrun --nproc_per_node N -m xpress train ...``)
 """
@@ -140,6 +143,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rehearsal_assets(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .rehearsal import ensure_rehearsal_assets
+    from .targets import TargetError
+
+    try:
+        folders = ensure_rehearsal_assets(load_config(args.preset, args.overrides))
+    except TargetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not folders:
+        print(f"error: preset {args.preset!r} names no rehearsal folder (target.model under .../rehearsal/)",
+              file=sys.stderr)
+        return 2
+    print(json.dumps({k: str(v) for k, v in folders.items()}))
+    return 0
+
+
+def _cmd_gpu_hours(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .gpu_budget import estimate_gpu_hours, format_table
+
+    cfg = load_config(args.preset, args.overrides)
+    try:
+        rows = estimate_gpu_hours(cfg, gpu=args.gpu, utilization=args.utilization, world=args.world, tau=args.tau)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau))
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import main as report_main
 
@@ -247,6 +282,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=MODEL_METHODS)
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps in all, as an interruption would")
+
+    p = sub.add_parser("rehearsal-assets", help="write a rehearsal preset's stand-in target and drafter if missing")
+    p.add_argument("--preset", default="qwen3-tiny")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(func=_cmd_rehearsal_assets)
+
+    from .gpu_budget import DEFAULT_GPU, DEFAULT_UTILIZATION, DEFAULT_WORLD, GPUS
+
+    p = sub.add_parser("gpu-hours", help="GPU-hours per stage, computed from a preset's sizes (docs/gpu.md)")
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--gpu", default=DEFAULT_GPU, choices=sorted(GPUS))
+    p.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
+                   help="sustained fraction of the GPU's dense bf16 peak and of its memory bandwidth")
+    p.add_argument("--world", type=int, default=DEFAULT_WORLD, help="training processes (GPUs)")
+    p.add_argument("--tau", type=float, default=1.0, help="tokens per target forward assumed for the speculative "
+                                                          "methods (1: an upper bound)")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.set_defaults(func=_cmd_gpu_hours)
 
     p = sub.add_parser("report", help="rewrite README.md's results section from results/<preset>/")
     p.add_argument("--preset", default="cpu")

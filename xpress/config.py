@@ -51,7 +51,8 @@ class TargetConfig:
     runtime: str = "auto"  # auto, lean or transformers
     device: str = "cpu"
     max_context: int = 8192  # prompt + generation; longer prompts are refused
-    # shape of the `random` target (ignored otherwise)
+    # shape of the `random` target, and of the rehearsal target that xpress.rehearsal writes for a hub folder
+    # under rehearsal/ (qwen3-tiny; head_dim = random_hidden / random_heads); ignored otherwise
     random_layers: int = 6
     random_hidden: int = 64
     random_heads: int = 4

