@@ -69,7 +69,7 @@ def test_report_shows_the_target_cost_and_ar_against_generate(results):
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
     assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched",
-                                          "target_cost"}
+                                          "target_cost", "data_scaling"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -87,9 +87,12 @@ def test_every_figure_from_synthetic_files(results):
         {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
         for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
     write(results, "target_cost", target_cost_result())
+    write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2}
+                                       for lv, n, t in (("base", 900, 1.9), ("train.train_sequences=1", 100, 1.4),
+                                                        ("train.train_sequences=3", 300, 1.7))]})
     drawn, missing = draw_all("p")
     assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
-                                                         "latency", "batched", "target_cost"]
+                                                         "latency", "batched", "target_cost", "data_scaling"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0

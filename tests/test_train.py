@@ -443,6 +443,45 @@ def test_lever_rows_merge(tmp_path, monkeypatch):
         lever_config("smoke", "train.nosuch=1", 4)
 
 
+def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, monkeypatch):
+    """train.train_sequences trains on a prefix of the training split (recorded with its tokens); a lever
+    row carries tau by decoding and the speedups; too many sequences is a one-line error."""
+    from xpress.studies.levers import run_lever
+    from xpress.train.loop import TrainingError, run_stage
+
+    _where(monkeypatch, root, "fewer")
+    n = len(data.indices("train"))
+    with pytest.raises(TrainingError, match=f"train.train_sequences={n + 1} exceeds the {n}"):
+        run_stage(small(f"train.train_sequences={n + 1}"), "probe", "dflash", 1, data=data, target=target,
+                  progress=False, write_log=False)
+    monkeypatch.setattr("xpress.studies.levers.load_config",
+                        lambda preset, overrides=(): small(*overrides))  # the smoke sizes of this module
+    row = run_lever("smoke", "train.train_sequences=2", 2, target=target, data=data, progress=False, decode_prompts=1)
+    first2 = data.indices("train")[:2]
+    assert row["train_sequences"] == 2
+    assert row["train_response_tokens"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in first2)
+    assert row["decode_prompts"] == 1 and row["val_tau"] >= 1 and row["ar_step_ms"] > 0 and row["round_ms"] > 0
+    assert row["implied_speedup"] == pytest.approx(row["val_tau"] * row["ar_step_ms"] / row["round_ms"])
+
+
+def test_data_scaling_curve_and_its_fit():
+    from xpress.plots import data_scaling_rows
+    from xpress.studies.levers import scaling_fit
+
+    rows = [{"lever": "base", "steps": 10, "train_response_tokens": 1000, "val_tf_tau": 2.0},
+            {"lever": "train.train_sequences=1", "steps": 10, "train_response_tokens": 10, "val_tf_tau": 1.0},
+            {"lever": "train.train_sequences=2", "steps": 10, "train_response_tokens": 100, "val_tf_tau": 1.5},
+            {"lever": "train.train_sequences=2", "steps": 5, "train_response_tokens": 100, "val_tf_tau": 1.4},
+            {"lever": "drafter.block_size=8", "steps": 10, "train_response_tokens": 1000, "val_tf_tau": 9.0}]
+    curve = data_scaling_rows({"rows": rows})
+    assert [r["train_response_tokens"] for r in curve] == [10, 100, 1000] and {r["steps"] for r in curve} == {10}
+    fit = scaling_fit(curve, goal=2.5)  # tau = 0.5 + 0.5 log10(tokens): 2.5 at 10^4
+    assert fit["per_decade"] == pytest.approx(0.5) and fit["tokens_for_goal"] == pytest.approx(1e4)
+    assert data_scaling_rows({"rows": rows[:2]}) == []  # two sizes are not a curve
+    flat = [{**r, "val_tf_tau": 1.0} for r in curve]
+    assert scaling_fit(flat)["tokens_for_goal"] is None
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def _train_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xpress", "train", "--preset", "smoke", "--method", "xpress",

@@ -108,6 +108,7 @@ class TrainConfig:
     eval_prompts: int = 4  # validation prompts decoded per evaluation
     eval_max_new_tokens: int = 64
     refiner_only: bool = False  # freeze the drafter, train the head only (over a released dFlash drafter)
+    train_sequences: int = 0  # train on the first N regenerated training sequences only (0 = all): data scaling
     mixed_precision: str = "auto"  # auto: bf16 autocast where bf16 is native (GPU, AVX512-BF16/AMX CPU); "no"; "bf16"
 
 
@@ -216,6 +217,7 @@ class Config:
                f"train.max_len={self.train.max_len} must exceed drafter.block_size={self.drafter.block_size}")
         _check(self.train.warm_start_steps >= 0 and self.train.checkpoint_every >= 1 and self.train.log_every >= 1,
                "train.warm_start_steps must be >= 0, train.checkpoint_every and train.log_every >= 1")
+        _check(self.train.train_sequences >= 0, f"train.train_sequences={self.train.train_sequences} must be >= 0 (0 = all)")
         _check(self.train.mixed_precision in {"auto", "no", "bf16"},
                f"train.mixed_precision={self.train.mixed_precision!r}: use auto, no or bf16")
         return self

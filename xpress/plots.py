@@ -395,9 +395,54 @@ def draw_resolution(preset: str) -> Drawn | None:
                  f"Data: resolution.json, from {result.get('command', 'notebook 04')}.")
 
 
+def data_scaling_rows(levers: dict | None) -> list[dict]:
+    """The data-scaling curve in ``levers.json``: rows of the preset as is (``base``) and of
+    ``train.train_sequences=N``, at the largest number of steps that has at least three data sizes, sorted
+    by training tokens ([] when there is no such curve yet: ``make studies`` runs it)."""
+    rows = [r for r in (levers or {}).get("rows", []) if r.get("train_response_tokens")
+            and (r["lever"] == "base" or r["lever"].startswith("train.train_sequences="))]
+    by_steps: dict[int, list[dict]] = {}
+    for r in rows:
+        by_steps.setdefault(r["steps"], []).append(r)
+    full = [s for s, rs in by_steps.items() if len({r["train_response_tokens"] for r in rs}) >= 3]
+    return sorted(by_steps[max(full)], key=lambda r: r["train_response_tokens"]) if full else []
+
+
+def plot_data_scaling(rows: Sequence[dict], break_even: float | None = None):
+    """tau (teacher-forced, and by decoding where measured) against the regenerated response tokens
+    trained on (log scale), with the break-even tau of this machine as a dashed line."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(rows)
+    long = df.melt(id_vars=["train_response_tokens"], value_vars=[c for c in ("val_tf_tau", "val_tau") if c in df],
+                   var_name="score", value_name="tau").dropna()
+    long["score"] = long["score"].map({"val_tf_tau": "teacher-forced (held out)", "val_tau": "by decoding (held out)"})
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    sns.lineplot(data=long, x="train_response_tokens", y="tau", hue="score", marker="o", ax=ax)
+    if break_even:
+        ax.axhline(break_even, ls="--", color="grey", label=f"break-even tau {break_even:.2f}")
+        ax.legend(frameon=False)
+    ax.set_xscale("log")
+    ax.set_xlabel("regenerated response tokens trained on")
+    ax.set_title(f"data scaling: the plain drafter after {df['steps'].iloc[0]} steps")
+    fig.tight_layout()
+    return fig
+
+
+def draw_data_scaling(preset: str) -> Drawn | None:
+    rows = data_scaling_rows(load_result(preset, "levers"))
+    if not rows:
+        return None
+    return Drawn("data_scaling", plot_data_scaling(rows),
+                 "tau of the plain drafter against the training data (the first N regenerated sequences), same steps. "
+                 "Data: levers.json (make studies).")
+
+
 DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
-           "target_cost": draw_target_cost}
+           "target_cost": draw_target_cost, "data_scaling": draw_data_scaling}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:

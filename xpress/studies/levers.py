@@ -1,7 +1,10 @@
-"""Training levers, one at a time: short plain-drafter runs from scratch that differ from the preset in
-one config key, scored by teacher-forced acceptance on the held-out validation split.
+"""Training levers, one at a time: plain-drafter runs from scratch that differ from the preset in one
+config key, scored by teacher-forced acceptance on the held-out validation split, by tau by decoding the
+validation prompts, and by the end-to-end speedup over AR on those prompts (measured, and implied by tau
+with the run's own stage costs).
 
     python -m xpress.studies.levers --preset cpu --steps 400 base drafter.init_from_target=true ...
+    python -m xpress.studies.levers --preset cpu --steps 2800 base train.train_sequences=300 ...  # data scaling
     python -m xpress.studies.levers --preset cpu --gap     # trained stages: training vs held-out acceptance
 
 Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run trains the ``dflash``
@@ -31,8 +34,10 @@ def lever_config(preset: str, lever: str, steps: int) -> Config:
     return load_config(preset, ["train.eval_prompts=0", f"train.checkpoint_every={steps + 1}", *overrides])
 
 
-def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progress: bool = True) -> dict[str, Any]:
-    """Train and score one lever; returns its row (lever, steps, seconds, val_tf_tau, blocks, s_per_step)."""
+def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progress: bool = True,
+              decode_prompts: int = 8) -> dict[str, Any]:
+    """Train and score one lever; returns its row (lever, steps, seconds, s_per_step, val_tf_tau, blocks,
+    the training data it saw, and :func:`decode_score` on ``decode_prompts`` validation prompts)."""
     from ..proposer import load_drafter
     from ..train.loop import CoTrainer, checkpoint_dir, run_stage, teacher_forced_val
     from ..train.regenerate import RegenData
@@ -46,8 +51,54 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     seconds = None if summary["skipped"] else time.perf_counter() - t0  # a complete run is only rescored
     md = load_drafter(checkpoint_dir(cfg, stage), "dflash", cfg, target)
     val = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, cfg)
+    prompts = data.prompts("val")[:decode_prompts]
+    score = decode_score(target, md, prompts, cfg.train.eval_max_new_tokens) if prompts else {}
     return {"lever": lever, "steps": steps, "seconds": seconds, "s_per_step": seconds and seconds / steps,
-            "val_tf_tau": val["tf_tau"], "blocks": val["blocks"]}
+            "val_tf_tau": val["tf_tau"], "blocks": val["blocks"], "train_sequences": summary["train_sequences"],
+            "train_response_tokens": summary["train_response_tokens"], **score}
+
+
+def decode_score(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:
+    """Greedy decoding of ``prompts`` by AR and by ``drafter``, interleaved per prompt (batch 1): ``val_tau``
+    (tokens per verification), ``measured_speedup`` (AR seconds / speculative seconds, prefill included)
+    and ``implied_speedup`` = tau x AR step / speculative round, from this run's own stage timings (what
+    tau buys at these costs, prefill aside). Lossless decoding is asserted (T = 0: same tokens as AR)."""
+    from ..decoding import generate_ar, generate_speculative
+
+    tokens = steps = 0
+    ar_s = spec_s = ar_step = ar_steps = round_s = rounds = 0.0
+    for p in prompts:
+        a = generate_ar(target, p, max_new_tokens)
+        g = generate_speculative(target, drafter, p, max_new_tokens)
+        if g.token_ids != a.token_ids:
+            raise AssertionError("a lever's drafter changed the greedy output: the engine is not lossless")
+        tokens, steps = tokens + len(g.token_ids), steps + g.n_steps
+        ar_s, spec_s = ar_s + a.total_s, spec_s + g.total_s
+        ar_step += sum(sum(v) for v in a.step_times.values())
+        ar_steps += max((len(v) for v in a.step_times.values()), default=0)
+        round_s += sum(sum(v) for v in g.step_times.values())
+        rounds += max((len(v) for v in g.step_times.values()), default=0)
+    tau = tokens / max(1, steps)
+    per_step, per_round = ar_step / max(1, ar_steps), round_s / max(1, rounds)
+    return {"val_tau": tau, "decode_prompts": len(prompts), "measured_speedup": ar_s / spec_s if spec_s else None,
+            "implied_speedup": tau * per_step / per_round if per_round else None,
+            "ar_step_ms": 1e3 * per_step, "round_ms": 1e3 * per_round}
+
+
+def scaling_fit(rows: Sequence[dict], key: str = "val_tf_tau", goal: float = 2.5) -> dict[str, Any] | None:
+    """Least-squares line ``tau = a + b log10(tokens)`` through the data-scaling rows
+    (:func:`xpress.plots.data_scaling_rows`) and the training tokens at which it reaches ``goal``
+    (None where tau does not grow with data). A log-linear extrapolation: a number to test, not a law."""
+    import numpy as np
+
+    pts = [(r["train_response_tokens"], r[key]) for r in rows if r.get(key) is not None]
+    if len({t for t, _ in pts}) < 2:
+        return None
+    x = np.log10([t for t, _ in pts])
+    y = np.array([v for _, v in pts])
+    b, a = np.polyfit(x, y, 1)
+    return {"key": key, "intercept": float(a), "per_decade": float(b), "goal": goal, "points": len(pts),
+            "tokens_for_goal": float(10 ** ((goal - a) / b)) if b > 0 else None}
 
 
 def record(preset: str, rows: Sequence[dict]) -> None:
@@ -109,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xpress.studies.levers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--decode-prompts", type=int, default=8, help="validation prompts decoded per lever (0: none)")
     ap.add_argument("--gap", action="store_true", help="also score the trained stages on training vs "
                     "validation sequences (results/<preset>/generalisation.json)")
     ap.add_argument("levers", nargs="*", help="base, or key=value overrides, one lever each")
@@ -122,9 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfgs = [lever_config(args.preset, lever, args.steps) for lever in args.levers]  # bad keys fail first
     target = load_target(cfgs[0])
     for lever in args.levers:
-        row = run_lever(args.preset, lever, args.steps, target=target)
+        row = run_lever(args.preset, lever, args.steps, target=target, decode_prompts=args.decode_prompts)
         record(args.preset, [row])
-        print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps", flush=True)
+        decoded = (f", tau by decoding {row['val_tau']:.2f}, {row['measured_speedup']:.2f}x AR measured, "
+                   f"{row['implied_speedup']:.2f}x implied" if "val_tau" in row else "")
+        print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps{decoded}", flush=True)
     return 0
 
 

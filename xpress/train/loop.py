@@ -438,6 +438,11 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
 
     train_rows = data.indices("train")
+    if cfg.train.train_sequences:  # data scaling: the first N sequences (a prefix, so smaller sets nest)
+        if cfg.train.train_sequences > len(train_rows):
+            raise TrainingError(f"train.train_sequences={cfg.train.train_sequences} exceeds the {len(train_rows)} "
+                                f"regenerated training sequences; lower it or raise data.n_train_prompts")
+        train_rows = train_rows[:cfg.train.train_sequences]
     if not train_rows:
         raise TrainingError(f"{data.folder} holds no training sequences")
     val_prompts = data.prompts("val")[:cfg.train.eval_prompts]
@@ -512,7 +517,8 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         accelerator.wait_for_everyone()
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
-               "mixed_precision": accelerator.mixed_precision,
+               "mixed_precision": accelerator.mixed_precision, "train_sequences": len(train_rows),
+               "train_response_tokens": sum(len(data.input_ids[i]) - data.prompt_len[i] for i in train_rows),
                "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
     if main and write_log:
         out = paths.RESULTS / cfg.preset
