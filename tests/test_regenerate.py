@@ -68,6 +68,16 @@ def data(reference, small_cfg):
         yield RegenData.load(small_cfg)
 
 
+def _assert_same_shards(folder, reference) -> None:
+    """Every shard of ``folder`` equals ``reference``'s: rows, and the captured arrays bit for bit."""
+    mine, ref = _shards(folder), _shards(reference)
+    assert [s["name"] for s in mine] == [s["name"] for s in ref] == [f"shard-{i:05d}" for i in range(N_SHARDS)]
+    for a, b in zip(mine, ref):
+        assert a["rows"] == b["rows"], a["name"]
+        for k in ARRAYS:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (a["name"], k)
+
+
 def _shards(folder: Path) -> list[dict]:
     """Every shard's rows and arrays, in order."""
     from datasets import load_from_disk
@@ -185,12 +195,7 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path, reference):
     assert _mtimes(folder / done[0]) == before, "a finished shard was rewritten"
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], "temporary entries left"
 
-    mine, ref = _shards(folder), _shards(reference)
-    assert [s["name"] for s in mine] == [s["name"] for s in ref] == [f"shard-{i:05d}" for i in range(N_SHARDS)]
-    for a, b in zip(mine, ref):
-        assert a["rows"] == b["rows"], a["name"]
-        for k in ARRAYS:
-            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (a["name"], k)
+    _assert_same_shards(folder, reference)
 
     # a complete run rerun does nothing
     stamp = _mtimes(folder)
@@ -243,12 +248,7 @@ def test_two_processes_equal_one(tmp_path, reference, torchrun):
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["skipped"] is False, "one report, by rank 0"
     folder = _folder(tmp_path)
-    mine, ref = _shards(folder), _shards(reference)
-    assert [s["name"] for s in mine] == [s["name"] for s in ref] == [f"shard-{i:05d}" for i in range(N_SHARDS)]
-    for a, b in zip(mine, ref):
-        assert a["rows"] == b["rows"], a["name"]
-        for k in ARRAYS:
-            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (a["name"], k)
+    _assert_same_shards(folder, reference)
     m, r = (json.loads((f / "manifest.json").read_text()) for f in (folder, reference))
     for k in ("config_hash", "shards", "sequences", "response_tokens", "total_tokens", "finish_reasons"):
         assert m[k] == r[k], k
