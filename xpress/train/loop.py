@@ -356,8 +356,7 @@ def _lr(step: int, steps: int, cfg: Config) -> float:
 
 def resolve_mixed_precision(name: str) -> str:
     """``train.mixed_precision`` for accelerate: ``auto`` is bf16 autocast where this machine multiplies bf16
-    natively (a GPU, or a CPU with AVX512-BF16 or AMX: about 1.5x faster a step on a 2-core EPYC with
-    AVX512-BF16, docs/training.md), else float32 ("no")."""
+    natively (a GPU, or a CPU with AVX512-BF16 or AMX), else float32 ("no")."""
     from ..runtime import native_bf16
 
     if name == "auto":
