@@ -122,6 +122,20 @@ def test_bf16_verify_equals_one_token_steps_bit_for_bit(target):
         assert check["exact"], check
 
 
+@BF16
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
+def test_packed_bf16_rows_do_not_depend_on_how_many_are_computed(shape):
+    """At SmolLM2-135M's shapes (fused q/k/v, down projection, LM head) a row's product is the same bits
+    whether 1, 16, 33 or 80 rows are computed together (on AMX CPUs oneDNN switches kernel above 32-64 rows;
+    rt.bf16_row_block keeps every row on one kernel)."""
+    torch.manual_seed(0)
+    lin = rt.Linear(torch.randn(shape).bfloat16(), packed=True, row_block=rt.bf16_row_block())
+    x = torch.randn(80, shape[1]).bfloat16()
+    one = torch.cat([lin(x[j:j + 1]) for j in range(80)])
+    for m in (2, 16, 32, 33, 48, 64, 80):
+        assert torch.equal(lin(x[:m]), one[:m]), m
+
+
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16)])
 def test_speculative_equals_greedy_ar_in_every_dtype(dtype):
     cfg = load_config("smoke", [f"target.dtype={dtype}"])

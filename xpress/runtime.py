@@ -39,6 +39,7 @@ SUPPORTED = ("llama", "qwen3")
 CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
 ROW_CHUNK = 128  # tokens per forward in a long prefill (bounds the score matrix; rows stay invariant)
 K_CHUNK = 1024  # bf16 matmuls over more input features than this are split (row-invariant up to it here)
+M_CHUNK_AMX = 32  # on AMX CPUs, bf16 matmuls over more rows than this are split into row blocks (see Linear)
 
 
 class RuntimeUnsupported(ValueError):
@@ -68,6 +69,12 @@ def cpu_features() -> dict[str, bool]:
         pass
     return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "amx_bf16": "amx_bf16" in flags, "onednn_bf16": native_bf16() if not torch.cuda.is_available() else False}
+
+
+def bf16_row_block() -> int:
+    """Rows per call of a prepacked bf16 matmul (:class:`Linear`): :data:`M_CHUNK_AMX` on a CPU with AMX-BF16,
+    where oneDNN changes kernel (and summation order) with the number of rows, else 0 (any number)."""
+    return M_CHUNK_AMX if cpu_features()["amx_bf16"] else 0
 
 
 _LAST_CHOICE: dict[str, Any] = {}
@@ -172,11 +179,16 @@ class Linear:
     blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16
     rows in a probe on a 2-core EPYC, with the same bits), and a product over more than :data:`K_CHUNK` input features is
     summed, in float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to
-    that depth). Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or float32 when split.
+    that depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
+    accumulate in another order: measured on a 2-core Xeon, rows differ by up to 0.28 in the logits), so there
+    the rows are computed in blocks of at most :data:`M_CHUNK_AMX` (``row_block``), which keeps every row on
+    the kernel a one-token step uses. Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or
+    float32 when split.
     """
 
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool, row_block: int = 0) -> None:
         self.out_features, self.in_features = weight.shape
+        self.row_block = row_block  # 0: any number of rows in one call
         k = self.in_features
         parts = -(-k // K_CHUNK) if packed else 1
         step = -(-k // parts)
@@ -191,12 +203,20 @@ class Linear:
             return F.linear(x, self.weights[0])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        if self.row_block and x2.shape[0] > self.row_block:
+            out = torch.cat([self._rows(x2[r:r + self.row_block]) for r in range(0, x2.shape[0], self.row_block)])
+        else:
+            out = self._rows(x2)
+        return out.reshape(*lead, self.out_features)
+
+    def _rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """The product for rows x2 [m, in] -> [m, out]."""
         out = None
         for (a, b), w in zip(self.slices, self.weights):
             y = torch.ops.mkldnn._linear_pointwise(x2 if len(self.slices) == 1 else x2[:, a:b].contiguous(), w,
                                                    None, "none", [], "")
             out = y if len(self.slices) == 1 else (y.float() if out is None else out + y.float())
-        return out.reshape(*lead, self.out_features)
+        return out
 
 
 @dataclass
@@ -233,6 +253,7 @@ class LeanModel:
         self.dtype = dtype
         self.device = next(model.parameters()).device
         self.packed = dtype == torch.bfloat16 and self.device.type == "cpu" and native_bf16()  # see Linear
+        self.row_block = bf16_row_block() if self.packed else 0
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
         self.hidden = int(cfg.hidden_size)
@@ -243,7 +264,7 @@ class LeanModel:
         f32 = torch.float32
 
         def w(t: torch.Tensor) -> Linear:
-            return Linear(t.detach().to(dtype), packed=self.packed)
+            return Linear(t.detach().to(dtype), packed=self.packed, row_block=self.row_block)
 
         # RoPE pairs feature j with j + hd/2 in every head; the rows of wq and wk (and the q/k norms) are
         # reordered so that each pair is adjacent and RoPE becomes one complex product (:meth:`_block`).
