@@ -3,6 +3,7 @@ the captured target states are the target's own, the splits and manifest are rig
 resumes to exactly what an uninterrupted run writes."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from xpress import paths
 from xpress.__main__ import main
 from xpress.config import load_config
 from xpress.targets import target_forward
-from xpress.train.regenerate import RegenData, config_hash, regen_signature
+from xpress.train.regenerate import RegenData, check_sequence, config_hash, regen_signature
 
 # 10 prompts in 5 shards of 2: a kill after the first shard leaves most of the run to resume
 SMALL = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16",
@@ -124,6 +125,22 @@ def test_captured_states_are_the_targets(data, target):
         # the stored responses are greedy: each response token has the maximal log-prob (up to fp rounding)
         chosen = logp_ref[resp].gather(1, ids[p:, None]).squeeze(1)
         assert (logp_ref[resp].max(-1).values - chosen).max() < 1e-4
+
+
+def test_check_sequence_with_and_without_captured_states(data, target):
+    """The notebook's check: greedy agreement always, captured-state errors only where states exist; an answer
+    that is not the target's greedy continuation fails."""
+    got = check_sequence(data, target, 0)
+    assert got["ok"] and got["has_states"] and got["greedy_agreement"] >= 0.9
+    assert got["feature_error"] <= 2e-3 * got["feature_scale"] + 1e-3 and got["logp_error"] < got["logp_tolerance"]
+    bare = copy.copy(data)
+    bare._arrays = [{} for _ in data._arrays]  # as written with data.cache_features=false
+    got = check_sequence(bare, target, 0)
+    assert got["ok"] and not got["has_states"] and "feature_error" not in got
+    p = data.prompt_len[0]
+    bare.input_ids = list(data.input_ids)
+    bare.input_ids[0] = data.input_ids[0][:p] + [(t + 1) % target.vocab_size for t in data.input_ids[0][p:]]
+    assert not check_sequence(bare, target, 0)["ok"]
 
 
 def test_masks_splits_and_manifest(data, small_cfg, reference, target):

@@ -467,3 +467,44 @@ class RegenData:
     def prompts(self, split: str) -> list[list[int]]:
         """The chat-formatted prompt ids of ``split`` (for tau by decoding on held-out sequences)."""
         return [self.input_ids[i][:self.prompt_len[i]] for i in self.indices(split)]
+
+
+# ------------------------------------------------------------------------------------------------ checking
+def check_sequence(data: RegenData, target, i: int) -> dict[str, Any]:
+    """Check regenerated sequence ``i`` against one teacher-forced forward of ``target`` over it.
+
+    Always: ``greedy_agreement``, the fraction of answer positions where the teacher-forced argmax is the
+    token the target wrote (1.0 up to near-ties that a ragged bf16 batch rounds differently). With captured
+    states (``data.cache_features``) also: ``feature_error`` (max |captured - teacher-forced| feature, beside
+    ``feature_scale``, the largest feature), ``logp_error`` (max error of the answer log-probabilities rebuilt
+    from the stored hidden state and lse, beside ``logp_tolerance``) and ``stored_argmax_agreement``.
+    ``ok`` says whether every measured error is inside its tolerance.
+    """
+    from ..targets import target_forward
+
+    ids = torch.tensor([data.input_ids[i]])                        # [1, T]
+    T, P0 = ids.shape[1], data.prompt_len[i]
+    with torch.inference_mode():
+        ref = target_forward(target, ids)                          # logits [1, T, V], features [1, T, F]
+    logp = torch.log_softmax(ref.logits[0, P0 - 1:T - 1].float(), -1)   # [T - P0, V]: predicts ids[P0:]
+    greedy = (logp.argmax(-1) == ids[0, P0:]).float().mean().item()
+    out: dict[str, Any] = {"sequence": data.ids[i], "answer_tokens": T - P0, "greedy_agreement": greedy,
+                           "has_states": data.has_states}
+    # A bf16 target's logits are bf16 (a step of 0.25 at |logit| ~ 40), and a ragged batch of 32 rounds
+    # differently from one sequence: allow a few bf16 steps of the largest logit (float32: 0.05).
+    out["logp_tolerance"] = 0.05 + 4 * torch.finfo(target.compute_dtype).eps * ref.logits.abs().max().item()
+    ok = greedy >= 0.9
+    if data.has_states:
+        st = data.states(i)
+        feats = torch.from_numpy(np.asarray(st["features"][:T - 1], dtype=np.float32))
+        out["feature_error"] = (feats - ref.features[0, :T - 1].float()).abs().max().item()
+        out["feature_scale"] = ref.features.abs().max().item()
+        hidden = torch.from_numpy(np.asarray(st["hidden"][P0 - 1:T - 1], dtype=np.float32))
+        lse = torch.from_numpy(np.array(st["lse"][P0 - 1:T - 1]))
+        stored = hidden @ target.lm_head().weight.float().T - lse[:, None]
+        out["logp_error"] = (stored - logp).abs().max().item()
+        out["stored_argmax_agreement"] = (stored.argmax(-1) == logp.argmax(-1)).float().mean().item()
+        ok = (ok and out["feature_error"] <= 2e-3 * out["feature_scale"] + 1e-3
+              and out["logp_error"] < out["logp_tolerance"])
+    out["ok"] = bool(ok)
+    return out
