@@ -8,7 +8,7 @@ from xpress import Drafter, ModelDrafter, build_drafter
 from xpress.drafter import DrafterMismatchError
 from xpress.heads import randomize_
 from xpress.methods import MODEL_METHODS, drafter_weights, make_drafter
-from xpress.proposer import CheckpointNotFoundError, new_drafter, save_drafter
+from xpress.proposer import METHODS, CheckpointNotFoundError, new_drafter, save_drafter
 from xpress.targets import target_forward
 
 
@@ -35,6 +35,12 @@ def propose(d, context, temperature=0.0, seed=0, rows=slice(None)):
     d.reset([[0]] * tokens[rows].shape[0])
     d.extend(tokens[rows], feats[rows], pos[rows], valid[rows])
     return d.propose(anchor[rows], lens[rows], temperature, torch.Generator().manual_seed(seed))
+
+
+def test_the_cli_names_the_methods_the_proposer_builds():
+    """methods.MODEL_METHODS is a literal (the command line must not import torch); it must name exactly
+    what the proposer builds, in the same order."""
+    assert MODEL_METHODS == METHODS
 
 
 @pytest.mark.parametrize("method", MODEL_METHODS)

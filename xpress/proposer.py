@@ -27,14 +27,13 @@ from .heads import MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, block_noise, corrected_logits, distribution, jacobi_refine, select,
                      sequential_refine)
 from .protocol import Draft
-from .methods import MODEL_METHODS
 from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
 from .vocab import DraftVocab
 
 __all__ = ["METHODS", "CheckpointNotFoundError", "CheckpointUnreadableError", "DrafterMismatchError", "ModelDrafter",
            "build_drafter", "new_drafter", "save_drafter", "load_drafter"]
 
-METHODS = MODEL_METHODS  # the methods this module builds
+METHODS = ("dflash", "markov", "xpress")  # the methods this module builds (xpress.methods.MODEL_METHODS names them too)
 HEADS = {"markov": MarkovHead, "xpress": XPressRefiner}
 
 
