@@ -20,7 +20,8 @@ from xpress import paths
 from xpress.__main__ import main
 from xpress.config import load_config
 from xpress.targets import target_forward
-from xpress.train.regenerate import RegenData, check_sequence, config_hash, regen_signature
+from xpress.train.regenerate import (RegenData, RegenerationError, check_sequence, config_hash, regen_signature,
+                                     regenerate)
 
 # 10 prompts in 5 shards of 2: a kill after the first shard leaves most of the run to resume
 SMALL = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16",
@@ -245,6 +246,25 @@ def test_other_config_is_refused_unless_overwrite(tmp_path, reference, capsys, m
     assert m["config_hash"] == config_hash(regen_signature(load_config("smoke", other)))
     assert m["sequences"] == {"train": 2, "val": 1} and m["shards"] == 2
     assert len(list(_folder(tmp_path).glob("shard-*"))) == 2, "old shards must be gone"
+
+
+def test_data_are_stamped_with_the_dtype_that_wrote_them(tmp_path, reference, small_cfg, target, monkeypatch):
+    """Greedy answers depend on the target's compute dtype: the same data read under a bf16 config are stale,
+    and a target that computes in another dtype than the config resolves to is refused before anything is
+    written."""
+    assert regen_signature(small_cfg)["target"]["compute_dtype"] == "float32"
+    bf16 = load_config("smoke", [*SMALL, "target.dtype=bfloat16"])
+    assert regen_signature(bf16)["target"]["compute_dtype"] == "bfloat16"
+    monkeypatch.setattr(paths, "DATA", reference.parents[1])
+    RegenData.load(small_cfg)
+    with pytest.raises(RegenerationError, match="another config"):
+        RegenData.load(bf16)
+
+    monkeypatch.setattr(paths, "DATA", tmp_path / "data")
+    assert str(target.compute_dtype) == "torch.float32"
+    with pytest.raises(RegenerationError, match="computes in float32.*target.dtype=float32"):
+        regenerate(bf16, target=target, progress=False)
+    assert not list(_folder(tmp_path).glob("shard-*"))
 
 
 # ------------------------------------------------------------------------------------ several processes

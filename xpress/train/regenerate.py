@@ -65,10 +65,21 @@ def regen_dir(cfg: Config) -> Path:
     return paths.DATA / cfg.preset / "regen"
 
 
+def compute_dtype(cfg: Config) -> str:
+    """The dtype the preset's target computes in on this machine (``target.dtype``, ``auto`` resolved by
+    :func:`xpress.runtime.resolve_dtype`), e.g. ``"bfloat16"``. Greedy answers depend on it, so it is part
+    of :func:`regen_signature`: data regenerated in bf16 on one CPU are stale on a CPU that runs the target
+    in float32, as the benchmarks there verify with the float32 target."""
+    from ..runtime import resolve_dtype
+
+    return str(resolve_dtype(cfg.target.dtype)).removeprefix("torch.")
+
+
 def regen_signature(cfg: Config) -> dict[str, Any]:
     """Everything that changes what regeneration writes (the config hash is taken over this)."""
     t, d = cfg.target, cfg.data
     return {"target": {"source": t.source, "model": t.model, "gguf_package": t.gguf_package, "dtype": t.dtype,
+                       "compute_dtype": compute_dtype(cfg),
                        **({"random": [t.random_layers, t.random_hidden, t.random_heads, t.random_kv_heads,
                                       t.random_intermediate, t.random_init_std]} if t.source == "random" else {})},
             "seed": cfg.seed, "num_target_features": cfg.drafter.num_target_features,
@@ -312,6 +323,12 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
 
     t_start = time.perf_counter()
     target = target or load_target(cfg)
+    loaded = str(target.compute_dtype).removeprefix("torch.")
+    if loaded != signature["target"]["compute_dtype"]:
+        raise RegenerationError(
+            f"the target computes in {loaded}, but the config resolves target.dtype={cfg.target.dtype!r} to "
+            f"{signature['target']['compute_dtype']} on this machine (a bf16 row-invariance fallback?); set "
+            f"target.dtype={loaded} in the preset so that the data say which target wrote them")
     records, skipped = _prompts(cfg, target.tokenizer)
     distributed.agree("prompts hash", [[r["id"], r["split"], r["prompt_ids"]] for r in records],
                       "give every rank the same data/ and tokenizer (XPRESS_DATA, the same package versions)")
