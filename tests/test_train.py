@@ -430,7 +430,9 @@ def test_teacher_forced_val(data, target):
 def test_lever_rows_merge(tmp_path, monkeypatch):
     import json
 
-    from xpress.studies.levers import lever_config, record
+    import pandas as pd
+
+    from xpress.studies.levers import lever_config, record, row_provenance
 
     monkeypatch.setattr(paths, "RESULTS", tmp_path)
     record("smoke", [{"lever": "base", "steps": 4, "seconds": 8.0, "s_per_step": 2.0, "val_tf_tau": 1.1, "blocks": 3}])
@@ -439,6 +441,16 @@ def test_lever_rows_merge(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "smoke" / "levers.json").read_text())["rows"]
     assert [(r["lever"], r["val_tf_tau"], r["seconds"]) for r in rows] == [("train.lr=1e-3", 1.3, 4.0), ("base", 1.2, 8.0)]
     assert lever_config("smoke", "train.lr=1e-3", 4).train.lr == 1e-3
+
+    # each row says where it comes from (rows of several runs share the file), in the CSV too
+    prov = row_provenance("smoke", "python -m xpress.studies.levers --preset smoke base")
+    assert set(prov) == {"command", "git_revision", "date", "cpu", "target_dtype"}
+    assert prov["command"].endswith("--preset smoke base") and prov["git_revision"] and prov["date"]
+    record("smoke", [{"lever": "base", "steps": 4, "seconds": 2.0, "s_per_step": 0.5, "val_tf_tau": 1.4, "blocks": 3,
+                      **prov}])
+    csv = pd.read_csv(tmp_path / "smoke" / "levers.csv").set_index("lever")
+    assert csv.loc["base", "command"] == prov["command"]
+    assert pd.isna(csv.loc["train.lr=1e-3", "git_revision"])  # a row recorded without provenance has none
     with pytest.raises(Exception, match="nosuch"):
         lever_config("smoke", "train.nosuch=1", 4)
 
@@ -465,7 +477,7 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
 
 
 def test_data_scaling_curve_and_its_fit():
-    from xpress.plots import data_scaling_rows
+    from xpress.plots import break_even_tau, data_scaling_rows
     from xpress.studies.levers import scaling_fit
 
     rows = [{"lever": "base", "steps": 10, "train_response_tokens": 1000, "val_tf_tau": 2.0},
@@ -480,6 +492,10 @@ def test_data_scaling_curve_and_its_fit():
     assert data_scaling_rows({"rows": rows[:2]}) == []  # two sizes are not a curve
     flat = [{**r, "val_tf_tau": 1.0} for r in curve]
     assert scaling_fit(flat)["tokens_for_goal"] is None
+
+    # the break-even tau drawn beside the curve: the median round / AR-step cost ratio of the rows that timed both
+    timed = [{**r, "ar_step_ms": 50.0, "round_ms": ms} for r, ms in zip(curve, (80.0, 90.0, 100.0))]
+    assert break_even_tau(timed) == pytest.approx(1.8) and break_even_tau(curve) is None
 
 
 # ----------------------------------------------------------------------------------------------- CLI

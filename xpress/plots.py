@@ -431,11 +431,20 @@ def plot_data_scaling(rows: Sequence[dict], break_even: float | None = None):
     return fig
 
 
+def break_even_tau(rows: Sequence[dict]) -> float | None:
+    """The tau at which speculative decoding matches AR at the stage costs the rows measured: the median over
+    rows of (speculative round time / AR step time); None where no row timed both."""
+    import statistics
+
+    ratios = [r["round_ms"] / r["ar_step_ms"] for r in rows if r.get("round_ms") and r.get("ar_step_ms")]
+    return statistics.median(ratios) if ratios else None
+
+
 def draw_data_scaling(preset: str) -> Drawn | None:
     rows = data_scaling_rows(load_result(preset, "levers"))
     if not rows:
         return None
-    return Drawn("data_scaling", plot_data_scaling(rows),
+    return Drawn("data_scaling", plot_data_scaling(rows, break_even_tau(rows)),
                  "tau of the plain drafter against the training data (the first N regenerated sequences), same steps. "
                  "Data: levers.json (make studies).")
 

@@ -20,10 +20,11 @@ where the previous draft failed, which are harder positions), so the rows rank l
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any, Sequence
 
-from .. import paths
+from .. import paths, plots
 from ..config import Config, load_config
 
 
@@ -101,6 +102,19 @@ def scaling_fit(rows: Sequence[dict], key: str = "val_tf_tau", goal: float = 2.5
             "tokens_for_goal": float(10 ** ((goal - a) / b)) if b > 0 else None}
 
 
+def row_provenance(preset: str, command: str) -> dict[str, Any]:
+    """Where one lever row comes from, flat so that it fits the CSV: the command, git revision, date, CPU and
+    the target's compute dtype (the file's ``provenance`` block only describes the latest write, and rows
+    of several runs share the file). A rescored row gets the rescoring run's; its training seconds stay
+    those of the run that trained it."""
+    from ..utils import provenance
+
+    p = provenance(preset)
+    return {"command": command, "git_revision": p["git_revision"][:12] + ("+dirty" if p["git_dirty"] else ""),
+            "date": p["date"], "cpu": p["machine"]["cpu_model"],
+            "target_dtype": p["target_runtime"].get("dtype", "")}
+
+
 def record(preset: str, rows: Sequence[dict]) -> None:
     """Merge ``rows`` into ``results/<preset>/levers.{json,csv}`` (same lever and steps: replaced)."""
     import json
@@ -173,12 +187,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cfgs = [lever_config(args.preset, lever, args.steps) for lever in args.levers]  # bad keys fail first
     target = load_target(cfgs[0])
+    command = " ".join(["python -m xpress.studies.levers", *(argv if argv is not None else sys.argv[1:])])
     for lever in args.levers:
         row = run_lever(args.preset, lever, args.steps, target=target, decode_prompts=args.decode_prompts)
-        record(args.preset, [row])
+        record(args.preset, [{**row, **row_provenance(args.preset, command)}])
         decoded = (f", tau by decoding {row['val_tau']:.2f}, {row['measured_speedup']:.2f}x AR measured, "
                    f"{row['implied_speedup']:.2f}x implied" if "val_tau" in row else "")
         print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps{decoded}", flush=True)
+    drawn = plots.draw_data_scaling(args.preset)
+    if drawn is not None:
+        print("figure:", *plots.save_fig(drawn.fig, drawn.name, args.preset), flush=True)
     return 0
 
 
