@@ -24,7 +24,7 @@ from xpress.targets import format_chat, load_target
 SIZE_KEYS = {
     "preset": "the preset's name",
     "target.model": "identifier: the written stand-in folder instead of the hub id",
-    "target.device": "placement: cpu instead of cuda (the dtype policy, bfloat16, is the same)",
+    "target.device": "placement: cpu instead of cuda (the dtype policy, auto, is the same)",
     "target.random_layers": "layer count of the written stand-in target (Qwen3-8B's comes from its config.json)",
     "target.random_hidden": "width of the written stand-in target",
     "target.random_intermediate": "MLP width of the written stand-in target",
@@ -104,6 +104,17 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_target(assets):
     return load_target(assets[0])
+
+
+def test_latency_times_the_hub_targets_own_shapes(assets):
+    """The latency study's preset shapes come from the hub target's config.json (they were SmolLM2's)."""
+    from xpress.studies.shapes import preset_shapes
+
+    cfg, _ = assets
+    s, t = preset_shapes(cfg), cfg.target
+    assert (s.hidden, s.heads, s.kv_heads, s.intermediate, s.target_layers) == (
+        t.random_hidden, t.random_heads, t.random_kv_heads, t.random_intermediate, t.random_layers)
+    assert s.head_dim == t.random_hidden // t.random_heads and s.name.startswith(cfg.preset)
 
 
 def test_rehearsal_paths():

@@ -69,72 +69,9 @@ from ..jacobi import corrected_logits, jacobi_refine, prev_tokens, select, seque
 from ..timing import paired_ratio, summary, time_call, time_calls  # noqa: F401  (importable from here too)
 from ..utils import atomic_write_json, atomic_write_text, provenance
 from ..vocab import DraftVocab
+from .shapes import PAPER, TINY, Shapes, preset_shapes
 
 SHAPE_SETS = ("preset", "paper", "tiny")
-
-
-@dataclass
-class Shapes:
-    """What sets the cost of one block: the heads' readout vocabulary ``vocab`` (the draft vocabulary, or
-    the full target vocabulary), the drafter (``hidden``, ``drafter_layers``, attention and MLP sizes,
-    ``target_features`` target layers read), the heads (``rank``, ``markov_rank``), ``block_size`` B,
-    ``context`` tokens before the block, and the target (``target_layers``, ``target_vocab``,
-    ``target_intermediate``)."""
-
-    name: str
-    vocab: int
-    hidden: int
-    block_size: int
-    rank: int
-    markov_rank: int
-    drafter_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    target_layers: int
-    target_features: int
-    target_vocab: int
-    target_intermediate: int
-    context: int = 512
-
-    @property
-    def positions(self) -> int:
-        return self.block_size - 1
-
-
-# Qwen3-8B (config.json of Qwen/Qwen3-8B) with z-lab/Qwen3-8B-DFlash-b16 (5 layers, 5 target layers)
-PAPER = Shapes(name="paper: Qwen3-8B", vocab=151936, hidden=4096, block_size=16, rank=256, markov_rank=256,
-               drafter_layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288, target_layers=36,
-               target_features=5, target_vocab=151936, target_intermediate=12288, context=512)
-# seconds on a CPU: for tests and for checking the GPU script's code path without a GPU
-TINY = Shapes(name="tiny (test)", vocab=512, hidden=64, block_size=8, rank=16, markov_rank=16, drafter_layers=1,
-              heads=4, kv_heads=2, head_dim=16, intermediate=128, target_layers=4, target_features=2,
-              target_vocab=1024, target_intermediate=128, context=32)
-# SmolLM2-135M-Instruct, the cpu preset's target (its config.json)
-SMOLLM2_135M = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536, "layers": 30,
-                "vocab": 49152}
-
-
-def preset_shapes(cfg, context: int = 256) -> Shapes:
-    """The preset's shapes: B, drafter layers and target features, r, the draft vocabulary (0 = the full
-    one) from ``cfg``; the target's architecture from ``cfg.target`` for a random target, else
-    SmolLM2-135M's (the embedded target; a hub target has its own sizes: time it with ``target=``)."""
-    t = cfg.target
-    if t.source == "random":
-        arch = {"hidden": t.random_hidden, "heads": t.random_heads, "kv_heads": t.random_kv_heads,
-                "head_dim": t.random_hidden // t.random_heads, "intermediate": t.random_intermediate,
-                "layers": t.random_layers, "vocab": SMOLLM2_135M["vocab"]}
-    else:
-        arch = SMOLLM2_135M
-    d = cfg.drafter
-    return Shapes(name=f"{cfg.preset} preset: {t.model}", vocab=d.draft_vocab_size or arch["vocab"],
-                  hidden=arch["hidden"], block_size=d.block_size, rank=cfg.head.rank,
-                  markov_rank=cfg.head.markov_rank, drafter_layers=d.num_layers, heads=arch["heads"],
-                  kv_heads=arch["kv_heads"], head_dim=arch["head_dim"],
-                  intermediate=d.intermediate_size or arch["intermediate"], target_layers=arch["layers"],
-                  target_features=d.num_target_features, target_vocab=arch["vocab"],
-                  target_intermediate=arch["intermediate"], context=context)
 
 
 @dataclass
