@@ -3,14 +3,23 @@ import pytest
 from xpress.config import Config, ConfigError, load_config, parse_overrides, presets, valid_keys
 
 
-def test_presets_load_and_validate():
+def test_presets_load_and_validate(monkeypatch):
+    import torch
+
+    import xpress.runtime
+
     assert {"smoke", "cpu", "qwen3-8b"} <= set(presets())
     for name in ("smoke", "cpu", "qwen3-8b"):
         cfg = load_config(name)
         assert isinstance(cfg, Config) and cfg.preset == name
     q = load_config("qwen3-8b")
     assert q.target.model == "Qwen/Qwen3-8B" and q.drafter.checkpoint == "z-lab/Qwen3-8B-DFlash-b16"
-    assert q.drafter.block_size == 16 and q.target.dtype == "bfloat16"
+    assert q.drafter.block_size == 16 and q.target.device == "cuda"
+    # the paper's setting computes in bf16 on any GPU with bf16 (auto), float32 only where bf16 is not native
+    monkeypatch.setattr(xpress.runtime, "native_bf16", lambda: True)
+    assert xpress.runtime.resolve_dtype(q.target.dtype) == torch.bfloat16
+    monkeypatch.setattr(xpress.runtime, "native_bf16", lambda: False)
+    assert xpress.runtime.resolve_dtype(q.target.dtype) == torch.float32
     assert load_config("cpu").target.source == "gguf"
 
 
