@@ -312,6 +312,20 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
     return lean, record
 
 
+def hub_location(cfg: Config) -> tuple[str, bool]:
+    """Where a hub target is read from: a local folder in the Hugging Face layout (relative paths from the
+    repository root), else the hub id (the local cache, or a download); and whether it is a project-written
+    stand-in (qwen3-tiny's, :mod:`xpress.rehearsal`), which is written here first if missing."""
+    from .rehearsal import ensure_rehearsal_assets, is_rehearsal_path
+
+    model = cfg.target.model
+    rehearsal = is_rehearsal_path(model)
+    if rehearsal:
+        ensure_rehearsal_assets(cfg)
+    local = paths.resolve(model)
+    return (str(local) if local.is_dir() else model), rehearsal
+
+
 def _load_target(cfg: Config) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -329,13 +343,9 @@ def _load_target(cfg: Config) -> Target:
         meta.update(gguf=str(locate_gguf(tc.gguf_package)), cache=str(folder),
                     package_version=md.version(tc.gguf_package))
     elif tc.source == "hub":
-        from .rehearsal import ensure_rehearsal_assets, is_rehearsal_path
-
-        if is_rehearsal_path(tc.model):  # a project-written stand-in (qwen3-tiny): written once, then loaded as hub
-            ensure_rehearsal_assets(cfg)
+        where, rehearsal = hub_location(cfg)
+        if rehearsal:  # a project-written stand-in (qwen3-tiny): written once, then loaded as hub
             meta["rehearsal"] = True
-        local = paths.resolve(tc.model)  # a local folder, relative to the repository root; else a hub id
-        where = str(local) if local.is_dir() else tc.model
         try:
             tokenizer = AutoTokenizer.from_pretrained(where)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)

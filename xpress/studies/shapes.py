@@ -1,13 +1,12 @@
 """The shapes that set the cost of one block (:class:`Shapes`): the paper's (Qwen3-8B with the released
 5-layer dFlash drafter), a tiny set for tests, and a preset's (:func:`preset_shapes`: the drafter and heads
-of ``configs/<preset>.yaml`` on its target's architecture). Used by :mod:`xpress.studies.latency`; imports
-only the standard library and transformers (lazily), like it.
+of ``configs/<preset>.yaml`` on its target's architecture). Used by :mod:`xpress.studies.latency`; nothing
+beyond the standard library is imported at module level (``scripts/gpu_latency.py`` needs only torch and
+transformers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from .. import paths
 
 
 @dataclass
@@ -54,18 +53,14 @@ SMOLLM2_135M = {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "inter
 
 
 def hub_architecture(cfg) -> dict[str, int]:
-    """A hub target's sizes, read from its ``config.json`` (a local folder in the hub layout, relative to the
-    repository root, or a hub id in the local cache; qwen3-tiny's stand-in is written first if missing)."""
+    """A hub target's sizes, read from its ``config.json`` where :func:`xpress.targets.hub_location` finds it."""
     from transformers import AutoConfig
 
-    from ..rehearsal import ensure_rehearsal_assets, is_rehearsal_path
+    from ..targets import hub_location
 
     t = cfg.target
-    if is_rehearsal_path(t.model):
-        ensure_rehearsal_assets(cfg)
-    local = paths.resolve(t.model)
     try:
-        c = AutoConfig.from_pretrained(str(local) if local.is_dir() else t.model)
+        c = AutoConfig.from_pretrained(hub_location(cfg)[0])
     except OSError as e:
         raise ValueError(f"cannot read the architecture of target.model={t.model!r} ({str(e).splitlines()[0]}): "
                          f"download it first, or give a local folder in the Hugging Face layout") from None
