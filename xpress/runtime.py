@@ -7,16 +7,19 @@ weights make a step memory-bound). This module runs the same weights with
 - the K/V written in place into a buffer that grows geometrically (:class:`StaticKV`); rolling back a
   rejected tail only moves the length;
 - fused projections (one matmul for q, k, v and one for gate and up), prepacked once into oneDNN's
-  blocked layout in bf16 (:class:`Linear`);
+  blocked layout (:class:`Linear`; in float32 too, where it beat MKL's ``F.linear`` by 1.2-2x at 1 and 16
+  rows on a 2-core AVX2 EPYC);
 - weights in the target dtype: bfloat16 where the CPU has native bf16 dot products (``target.dtype:
   auto``, :func:`resolve_dtype`), float32 elsewhere; norms, RoPE, softmax and the residual stream stay
   float32;
 - attention written so that **a query row's result never depends on how many rows are computed with it**
   (:func:`invariant_attention`): the softmax subtracts the row maximum, its sums and the value product
   are formed over fixed 64-column chunks aligned to absolute cache columns and combined by a sequential
-  scan, so masked or absent columns add exact zeros. With bf16 weights the matrix products are row-
-  invariant too (oneDNN's bf16 kernels up to a reduction depth of :data:`K_CHUNK`; checked at load by
-  :func:`check_row_invariance`), so a 16-token verify reproduces 16 one-token steps bit for bit and
+  scan, so masked or absent columns add exact zeros; in float32 its two products run on blocks of exactly
+  :data:`QUERY_BLOCK` tokens' rows (:func:`row_blocks`), as MKL's kernel changes with the row count. The
+  prepacked projections are row-invariant (oneDNN's bf16 kernels up to a reduction depth of
+  :data:`K_CHUNK`, its float32 ones at SmolLM2's shapes), all checked at load by
+  :func:`check_row_invariance`, so a 16-token verify reproduces 16 one-token steps bit for bit and
   speculative decoding equals greedy decoding by construction, not by luck. Long prefills run in chunks
   of :data:`ROW_CHUNK` tokens.
 
@@ -39,6 +42,7 @@ SUPPORTED = ("llama", "qwen3")
 CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
 ROW_CHUNK = 128  # tokens per forward in a long prefill (bounds the score matrix; rows stay invariant)
 K_CHUNK = 1024  # bf16 matmuls over more input features than this are split (row-invariant up to it here)
+QUERY_BLOCK = 16  # float32 attention: query rows are computed in blocks of this many tokens (row_blocks)
 M_CHUNK_AMX = 32  # on AMX CPUs, bf16 matmuls over more rows than this are split into row blocks (see Linear)
 
 
@@ -175,11 +179,11 @@ def _round_up(x: int, m: int) -> int:
 class Linear:
     """``y = x @ weight.T`` for a weight [out, in], in the form that is fastest and row-invariant here.
 
-    In the row-invariant regime (bf16 on a CPU with oneDNN) the weight is prepacked once into oneDNN's
-    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16
-    rows in a probe on a 2-core EPYC, with the same bits), and a product over more than :data:`K_CHUNK` input features is
-    summed, in float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to
-    that depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
+    On a CPU (float32, or bf16 where native) the weight is prepacked once into oneDNN's blocked layout for
+    16-row products (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16 rows
+    in probes on 2-core EPYCs, bf16 about twice, float32 1.2-2x, and a row's bits do not depend on how many
+    rows are computed with it). In bf16 a product over more than :data:`K_CHUNK` input features is summed, in
+    float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to that depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
     accumulate in another order: measured on a 2-core Xeon, rows differ by up to 0.28 in the logits), so there
     the rows are computed in blocks of at most :data:`M_CHUNK_AMX` (``row_block``), which keeps every row on
     the kernel a one-token step uses. Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or
@@ -190,7 +194,7 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.row_block = row_block  # 0: any number of rows in one call
         k = self.in_features
-        parts = -(-k // K_CHUNK) if packed else 1
+        parts = -(-k // K_CHUNK) if packed and weight.dtype == torch.bfloat16 else 1
         step = -(-k // parts)
         self.slices = [(s, min(k, s + step)) for s in range(0, k, step)]
         self.packed = packed
@@ -252,8 +256,9 @@ class LeanModel:
         self.config = cfg
         self.dtype = dtype
         self.device = next(model.parameters()).device
-        self.packed = dtype == torch.bfloat16 and self.device.type == "cpu" and native_bf16()  # see Linear
-        self.row_block = bf16_row_block() if self.packed else 0
+        bf16 = dtype == torch.bfloat16
+        self.packed = self.device.type == "cpu" and (dtype == torch.float32 or (bf16 and native_bf16()))  # see Linear
+        self.row_block = bf16_row_block() if self.packed and bf16 else 0
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
         self.hidden = int(cfg.hidden_size)
@@ -367,7 +372,7 @@ class LeanModel:
         b, n = ids.shape
         L = cache.length
         rot = self._rope_table(int(pos.max()) + 1)[pos][:, :, None]  # [b, n, 1, hd / 2] complex
-        bias = attention_bias(b, n, L, self.n_heads // self.n_kv, mask, ids.device)  # [b, 1, g n, Lc], Lc = L + n rounded up to CHUNK
+        bias = attention_bias(b, n, L, self.n_heads // self.n_kv, mask, ids.device)  # [b, 1, n g, Lc], Lc = L + n rounded up to CHUNK
         h = self.embed[ids].float()  # [b, n, H] residual stream, float32
         feats = []
         want = set(feature_layers or ())
@@ -395,44 +400,69 @@ class LeanModel:
         qk = qk.reshape(b, n, nh + nkv, hd).to(self.dtype)  # RoPE applied, [b, n, nh + nkv, hd]
         keys[:, :, L:L + n] = qk[:, :, nh:].transpose(1, 2)
         values[:, :, L:L + n] = qkv[:, :, nh + nkv:].to(self.dtype).transpose(1, 2)
-        q = qk[:, :, :nh].reshape(b, n, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * n, hd)
-        att = invariant_attention(q, keys[:, :, :Lc], values[:, :, :Lc], bias)  # [b, nkv, g n, hd]
-        att = att.view(b, nkv, g, n, hd).permute(0, 3, 1, 2, 4).reshape(b, n, nh * hd)
+        q = qk[:, :, :nh].reshape(b, n, nkv, g, hd).transpose(1, 2).reshape(b, nkv, n * g, hd)
+        att = invariant_attention(q, keys[:, :, :Lc], values[:, :, :Lc], bias, g)  # [b, nkv, n g, hd]
+        att = att.view(b, nkv, n, g, hd).transpose(1, 2).reshape(b, n, nh * hd)
         h = h + lw.wo(att.to(self.dtype)).float()
         gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.dtype)).chunk(2, dim=-1)
         return h + lw.wd((F.silu(gate) * up).to(self.dtype)).float()
 
 
-def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        bias: torch.Tensor) -> torch.Tensor:
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                        group: int = 1) -> torch.Tensor:
     """Attention whose result for one query never depends on the other queries or on masked columns.
 
-    q [b, nkv, g n, hd] (RoPE applied, matmul dtype; rows ordered (query head in group, token)); keys,
-    values [b, nkv, Lc, hd] with ``Lc`` a multiple of :data:`CHUNK`; bias [b, 1, g n, Lc] float32, 0 where
-    the row may attend and -inf elsewhere (:func:`attention_bias`). Returns [b, nkv, g n, hd] float32.
+    q [b, nkv, n g, hd] (RoPE applied, matmul dtype; rows ordered (token, query head in the group), ``g =
+    group``); keys, values [b, nkv, Lc, hd] with ``Lc`` a multiple of :data:`CHUNK`; bias [b, 1, n g, Lc]
+    float32, 0 where the row may attend and -inf elsewhere (:func:`attention_bias`). Returns
+    [b, nkv, n g, hd] float32.
 
-    The scores are a matmul whose rows are independent (bf16: oneDNN). The softmax subtracts the row's
-    maximum (exact in any order). Its denominator and the value product are computed per chunk of CHUNK
-    columns (a fixed-length reduction and a matmul of fixed depth; masked columns are exact zeros) and
+    The scores are a matmul whose rows are independent (see :func:`row_blocks`). The softmax subtracts
+    the row's maximum (exact in any order). Its denominator and the value product are computed per chunk of
+    CHUNK columns (a fixed-length reduction and a matmul of fixed depth; masked columns are exact zeros) and
     the chunks are combined by a cumulative sum, a sequential scan, so trailing empty chunks add exact
     zeros. Hence a 16-token verify and 16 one-token steps give the same bits.
     """
     b, nkv, R, hd = q.shape
     Lc = keys.shape[2]
     C = Lc // CHUNK
-    s = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(1.0 / math.sqrt(hd)).add_(bias)  # [b, nkv, R, Lc]
+    s = row_blocks(q, keys.transpose(-1, -2), group, 2)  # [b, nkv, R, Lc]
+    s = s.float().mul_(1.0 / math.sqrt(hd)).add_(bias)
     top = s.amax(-1, keepdim=True).clamp_min_(-1e30)  # a row that may see nothing (a hole) gets exp(-inf) = 0
     p = s.sub_(top).exp_().view(b, nkv, R, C, CHUNK)
     den = p.sum(-1).cumsum(-1)[..., -1:]  # [b, nkv, R, 1]
-    o = torch.matmul(p.to(values.dtype).transpose(2, 3), values.view(b, nkv, C, CHUNK, hd))  # [b, nkv, C, R, hd]
+    o = row_blocks(p.to(values.dtype).transpose(2, 3), values.view(b, nkv, C, CHUNK, hd), group, 3)  # [b, nkv, C, R, hd]
     num = o.float().cumsum(2)[:, :, -1]  # [b, nkv, R, hd]
     return num / den.clamp_min(1e-30)
 
 
+def row_blocks(x: torch.Tensor, w: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """``torch.matmul(x, w)`` with the rows of x (along ``dim``, the second-to-last) computed so that each
+    row's bits do not depend on how many rows there are.
+
+    bf16 (oneDNN): one matmul; its rows are independent at any count (:func:`check_row_invariance`).
+    float32 on a CPU (MKL), batch 1 (``x.shape[0]``; the regime whose exactness the project claims: AR and
+    speculative decoding of one sequence): the kernel changes with the number of rows (a 16-token verify's
+    48 query rows per key-value head and a step's 3 gave different last bits), so the rows are zero-padded
+    to blocks of exactly ``QUERY_BLOCK * group`` (a step pays for 16 tokens' scores: ~2 MFLOP per head and
+    layer) and every block is one matmul of that shape, whatever the row's position in it. A batch of
+    several sequences is one matmul (its rows sit at other cache columns anyway; see docs/inference.md).
+    """
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == 1):
+        return torch.matmul(x, w)
+    m = QUERY_BLOCK * group
+    R = x.shape[-2]
+    if R % m:
+        pad = torch.zeros(*x.shape[:-2], m - R % m, x.shape[-1], dtype=x.dtype, device=x.device)
+        x = torch.cat([x, pad], dim=-2)
+    out = [torch.matmul(x[..., r:r + m, :], w) for r in range(0, x.shape[-2], m)]
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=-2))[..., :R, :]
+
+
 def attention_bias(b: int, n: int, L: int, g: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The additive mask of :func:`invariant_attention`: [b, 1, g n, Lc] float32 over the first ``Lc``
+    """The additive mask of :func:`invariant_attention`: [b, 1, n g, Lc] float32 over the first ``Lc``
     columns (``L + n`` rounded up to a whole chunk). New token j sees columns ``< L + j + 1`` that are real
-    (``mask`` [b, L + n], 1 = real; None = all real); rows repeat for each of the g query heads of a group."""
+    (``mask`` [b, L + n], 1 = real; None = all real); each token's row repeats for the g query heads of a group."""
     Lc = _round_up(L + n, CHUNK)
     col = torch.arange(Lc, device=device)
     ok = (col[None, :] <= (L + torch.arange(n, device=device))[:, None])[None]  # [1, n, Lc]
@@ -441,7 +471,7 @@ def attention_bias(b: int, n: int, L: int, g: int, mask: torch.Tensor | None, de
         real[:, :mask.shape[1]] = mask.bool()
         ok = ok & real[:, None, :]
     bias = torch.zeros(ok.shape, device=device).masked_fill_(~ok, float("-inf"))  # [b or 1, n, Lc]
-    return bias[:, None].expand(-1, g, n, Lc).reshape(bias.shape[0], 1, g * n, Lc)
+    return bias[:, None, :, None].expand(-1, 1, n, g, Lc).reshape(bias.shape[0], 1, n * g, Lc)
 
 
 # ===================================================================================== invariance

@@ -12,8 +12,9 @@ Three sources (``cfg.target.source``):
 - ``random``: a tiny, seeded, randomly initialised Llama with the embedded target's real tokenizer.
 
 Two runtimes compute the target's forward (``cfg.target.runtime``, :func:`choose_runtime`): the lean one of
-:mod:`xpress.runtime` (the default on a CPU: a pre-allocated KV cache, fused projections, bf16 where the
-CPU has native bf16, and a 16-token verify that reproduces 16 one-token steps bit for bit) and the
+:mod:`xpress.runtime` (the default on a CPU: a pre-allocated KV cache, fused projections prepacked for
+oneDNN, bf16 where the CPU has native bf16, float32 elsewhere, and a 16-token verify that reproduces 16
+one-token steps bit for bit) and the
 transformers model's own forward with a growing ``DynamicCache``. Every forward of the project goes through
 :func:`target_forward` or :func:`lm_logits`, so the autoregressive baseline and the speculative engine
 always run the same one. With the lean runtime, ``Target.model`` (the transformers model, which drafters
@@ -275,13 +276,13 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
     """The lean runtime for ``model`` or None (transformers), and why.
 
     The compute dtype is ``target.dtype`` (``auto``: bf16 where native, :func:`xpress.runtime.resolve_dtype`).
-    ``runtime: auto`` takes the lean runtime on a CPU, for a supported architecture, when the target
-    computes in bf16: there it is about twice as fast as the transformers forward and exact by
-    construction. In float32 it was measured no faster (``target_cost.json``), so ``auto`` keeps the
-    transformers forward there (``runtime: lean`` still forces it). In bf16 on a CPU the lean runtime
-    must pass :func:`xpress.runtime.check_row_invariance` (a prefill, a 16-token forward and 16 one-token
-    forwards equal bit for bit); under ``dtype: auto`` a failed check falls back to the float32
-    transformers forward, which the record says.
+    ``runtime: auto`` takes the lean runtime on a CPU for a supported architecture (:func:`planned_runtime`),
+    in bf16 and in float32: with weights prepacked for oneDNN it is faster than the transformers forward in
+    both (``target_cost.json``), and exact by construction where its products are row-invariant. On a CPU
+    the lean runtime runs :func:`xpress.runtime.check_row_invariance` at load (a prefill, a 16-token forward
+    and 16 one-token forwards equal bit for bit) and records the verdict. Under ``dtype: auto`` a bf16
+    runtime that fails it falls back to float32 (the record says so); a float32 one that fails it is kept
+    (the transformers forward is not row-invariant either) and the record says it is not exact.
     """
     from . import runtime as rt
 
@@ -290,7 +291,7 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
                               "dtype_setting": tc.dtype, "runtime_setting": tc.runtime,
                               "cpu_features": rt.cpu_features()}
     on_cpu = torch.device(tc.device).type == "cpu"
-    if tc.runtime == "transformers" or (tc.runtime == "auto" and not (on_cpu and dtype != torch.float32)):
+    if planned_runtime(tc) == "transformers":
         return None, record
     try:
         lean = rt.LeanModel(model, dtype)
@@ -299,17 +300,24 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
             raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
         return None, {**record, "why_not_lean": str(e)}
     record["runtime"] = "lean"
-    if on_cpu and dtype != torch.float32:
+    if on_cpu:
         check = rt.check_row_invariance(lean)
         record["row_invariance"] = check
-        if not check["exact"] and tc.dtype == "auto":
+        if not check["exact"] and dtype != torch.float32 and tc.dtype == "auto":
             log.warning("bf16 forwards on this CPU are not row-invariant (max |diff| %.3g); the target "
                         "computes in float32", check["max_abs_diff"])
-            record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check")
-            if tc.runtime == "lean":
-                return rt.LeanModel(model, torch.float32), record
-            return None, {**record, "runtime": "transformers"}
+            lean = rt.LeanModel(model, torch.float32)
+            record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check",
+                          row_invariance=rt.check_row_invariance(lean))
     return lean, record
+
+
+def planned_runtime(tc: TargetConfig) -> str:
+    """The runtime ``target.runtime`` asks for on ``target.device``: ``"lean"`` (``lean``, or ``auto`` on a
+    CPU) or ``"transformers"``. A model the lean runtime cannot run falls back to transformers under
+    ``auto`` (:func:`choose_runtime`); regeneration refuses that case (its data hash says ``lean``)."""
+    on_cpu = torch.device(tc.device).type == "cpu"
+    return "lean" if tc.runtime == "lean" or (tc.runtime == "auto" and on_cpu) else "transformers"
 
 
 def hub_location(cfg: Config) -> tuple[str, bool]:

@@ -74,7 +74,7 @@ def lean_calls(lean: Any, context: int, n: int, seed: int = 0) -> dict[str, Call
         from ..runtime import invariant_attention
 
         for i in range(lean.n_layers):
-            invariant_attention(q, cache.keys[i][:, :, :Lc], cache.values[i][:, :, :Lc], bias)
+            invariant_attention(q, cache.keys[i][:, :, :Lc], cache.values[i][:, :, :Lc], bias, g)
 
     k = torch.randn(1, nkv, n, hd, generator=gen).to(dt)
 

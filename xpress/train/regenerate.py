@@ -77,9 +77,11 @@ def compute_dtype(cfg: Config) -> str:
 
 def regen_signature(cfg: Config) -> dict[str, Any]:
     """Everything that changes what regeneration writes (the config hash is taken over this)."""
+    from ..targets import planned_runtime
+
     t, d = cfg.target, cfg.data
     return {"target": {"source": t.source, "model": t.model, "gguf_package": t.gguf_package, "dtype": t.dtype,
-                       "compute_dtype": compute_dtype(cfg),
+                       "compute_dtype": compute_dtype(cfg), "runtime": planned_runtime(t),
                        **({"random": [t.random_layers, t.random_hidden, t.random_heads, t.random_kv_heads,
                                       t.random_intermediate, t.random_init_std]} if t.source == "random" else {})},
             "seed": cfg.seed, "num_target_features": cfg.drafter.num_target_features,
@@ -323,6 +325,12 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
 
     t_start = time.perf_counter()
     target = target or load_target(cfg)
+    runtime = "lean" if target.runtime is not None else "transformers"
+    if runtime != signature["target"]["runtime"]:
+        raise RegenerationError(
+            f"the target runs the {runtime} forward, but target.runtime={cfg.target.runtime!r} plans the "
+            f"{signature['target']['runtime']} one here; set target.runtime={runtime} in the preset so that the "
+            f"data say which forward wrote them")
     loaded = str(target.compute_dtype).removeprefix("torch.")
     if loaded != signature["target"]["compute_dtype"]:
         raise RegenerationError(
