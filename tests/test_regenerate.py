@@ -267,6 +267,20 @@ def test_data_are_stamped_with_the_dtype_that_wrote_them(tmp_path, reference, sm
     assert not list(_folder(tmp_path).glob("shard-*"))
 
 
+def test_data_are_stamped_with_the_forward_that_wrote_them(tmp_path, small_cfg, target, monkeypatch):
+    """The lean and the transformers forward differ in the last bits: the data hash names the planned one, and
+    a target that runs the other (a lean runtime that could not run the model) is refused."""
+    tf = load_config("smoke", [*SMALL, "target.runtime=transformers"])
+    assert regen_signature(small_cfg)["target"]["runtime"] == "lean"
+    assert regen_signature(tf)["target"]["runtime"] == "transformers"
+    assert config_hash(regen_signature(tf)) != config_hash(regen_signature(small_cfg))
+    monkeypatch.setattr(paths, "DATA", tmp_path / "data")
+    assert target.runtime is not None
+    with pytest.raises(RegenerationError, match="runs the lean forward.*target.runtime=lean"):
+        regenerate(tf, target=target, progress=False)
+    assert not list(_folder(tmp_path).glob("shard-*"))
+
+
 # ------------------------------------------------------------------------------------ several processes
 def test_two_processes_equal_one(tmp_path, reference, torchrun):
     """torchrun, 2 gloo CPU processes resume an interrupted run (shards 0 and 3 done, a temporary left):

@@ -338,20 +338,10 @@ def decode_summary(results: Sequence[dict]) -> dict[str, float]:
 
 
 # ===================================================================================== oracle ceiling
-def _median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    from .utils import now
-
-    times = []
-    for _ in range(repeats):
-        t0 = now(device)
-        fn()
-        times.append(now(device) - t0)
-    return statistics.median(times)
-
-
 def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: int,
                       repeats: int = 30) -> dict[str, float]:
-    """Seconds of one ``block_size``-token forward vs one 1-token forward after ``context_ids``.
+    """Seconds of one ``block_size``-token forward vs one 1-token forward after ``context_ids``, timed in
+    interleaved sweeps (:func:`xpress.timing.time_calls`), medians over ``repeats``.
 
     ``loop_ratio``: the two forwards as the decoding loops run them (speculative verify through
     ``target_forward`` with all B logits and the drafter features; autoregressive step through the lean
@@ -361,6 +351,7 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
     import torch
 
     from .targets import lm_logits, target_forward
+    from .timing import time_calls
 
     dev = target.device
     ctx = torch.tensor([list(context_ids)], dtype=torch.long, device=dev)
@@ -368,26 +359,26 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
         _, cache = lm_logits(target, ctx, None, torch.arange(ctx.shape[1], device=dev)[None], None)
     L = ctx.shape[1]
 
-    def run(n: int, lean: bool, keep: int) -> float:
+    def call(n: int, lean: bool, keep: int) -> Callable[[], None]:
         ids = torch.randint(target.vocab_size, (1, n), device=dev)
         pos = torch.arange(L, L + n, device=dev)[None]
 
         @torch.inference_mode()
-        def call():
+        def fn():
             if lean:
                 lm_logits(target, ids, cache, pos, None, logits_to_keep=keep)
             else:
                 target_forward(target, ids, cache, pos, None, logits_to_keep=keep)
             cache.crop(-n)
-        call()  # warm-up
-        return _median_time(call, repeats, dev)
+        return fn
 
-    step1 = run(1, True, 1)
-    verify_loop = run(block_size, False, 0)
-    verify_lean = run(block_size, True, block_size)
+    t = time_calls({"step": call(1, True, 1), "loop": call(block_size, False, 0),
+                    "lean": call(block_size, True, block_size)}, repeats, 1, dev)
+    step1, verify_loop, verify_lean = (t[k]["median_ms"] / 1e3 for k in ("step", "loop", "lean"))
     return {"context_tokens": L, "block_size": block_size, "step_1_s": step1,
             "verify_B_loop_s": verify_loop, "verify_B_lean_s": verify_lean,
-            "loop_ratio": verify_loop / step1, "same_call_ratio": verify_lean / step1, "repeats": repeats}
+            "loop_ratio": verify_loop / step1, "same_call_ratio": verify_lean / step1, "repeats": repeats,
+            "order": "interleaved sweeps (step, loop verify, lean verify), medians"}
 
 
 def _benchmark_prompts(target: Target, benchmarks: Sequence[str], n_prompts: int) -> list[tuple[str, list[int]]]:

@@ -42,7 +42,7 @@ SUPPORTED = ("llama", "qwen3")
 CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
 ROW_CHUNK = 128  # tokens per forward in a long prefill (bounds the score matrix; rows stay invariant)
 K_CHUNK = 1024  # bf16 matmuls over more input features than this are split (row-invariant up to it here)
-QUERY_BLOCK = 16  # float32 attention: query rows are computed in blocks of this many tokens (row_blocks)
+QUERY_BLOCK = 4  # float32 attention at batch 1: query rows are computed in blocks of this many tokens (row_blocks)
 M_CHUNK_AMX = 32  # on AMX CPUs, bf16 matmuls over more rows than this are split into row blocks (see Linear)
 
 
@@ -444,9 +444,11 @@ def row_blocks(x: torch.Tensor, w: torch.Tensor, group: int, dim: int) -> torch.
     float32 on a CPU (MKL), batch 1 (``x.shape[0]``; the regime whose exactness the project claims: AR and
     speculative decoding of one sequence): the kernel changes with the number of rows (a 16-token verify's
     48 query rows per key-value head and a step's 3 gave different last bits), so the rows are zero-padded
-    to blocks of exactly ``QUERY_BLOCK * group`` (a step pays for 16 tokens' scores: ~2 MFLOP per head and
-    layer) and every block is one matmul of that shape, whatever the row's position in it. A batch of
-    several sequences is one matmul (its rows sit at other cache columns anyway; see docs/inference.md).
+    to whole blocks of exactly ``QUERY_BLOCK * group`` and every block is one matmul of that shape, whatever
+    the row's position in it. A step pays for QUERY_BLOCK tokens' rows, a 16-token verify makes 16 /
+    QUERY_BLOCK calls: 4 was the best trade on a 2-core AVX2 EPYC (16 made a step at 1,000 tokens of context
+    slower than the transformers forward). A batch of several sequences is one matmul (its rows sit at other
+    cache columns anyway; see docs/inference.md).
     """
     if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] == 1):
         return torch.matmul(x, w)
