@@ -175,7 +175,8 @@ def float32_exact_or_skip(check: dict) -> None:
     """Assert the float32 verify equals the steps bit for bit; on a CPU with AVX-512 (where the float32 oneDNN /
     MKL kernels were not probed) a failure is reported as a skip: the runtime records it in provenance."""
     if not check["exact"] and rt.cpu_features()["avx512f"]:
-        pytest.skip(f"float32 products are not row-invariant on this AVX-512 CPU (max |diff| {check['max_abs_diff']:.3g})")
+        pytest.skip(f"float32 products are not row-invariant on this AVX-512 CPU "
+                    f"(max |diff| {check['max_abs_diff']:.3g})")
     assert check["exact"], check
 
 

@@ -183,7 +183,8 @@ class Linear:
     16-row products (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16 rows
     in probes on 2-core EPYCs, bf16 about twice, float32 1.2-2x, and a row's bits do not depend on how many
     rows are computed with it). In bf16 a product over more than :data:`K_CHUNK` input features is summed, in
-    float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to that depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
+    float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to that
+    depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
     accumulate in another order: measured on a 2-core Xeon, rows differ by up to 0.28 in the logits), so there
     the rows are computed in blocks of at most :data:`M_CHUNK_AMX` (``row_block``), which keeps every row on
     the kernel a one-token step uses. Otherwise it is ``F.linear``. ``__call__`` returns the matmul dtype, or
@@ -426,19 +427,19 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     b, nkv, R, hd = q.shape
     Lc = keys.shape[2]
     C = Lc // CHUNK
-    s = row_blocks(q, keys.transpose(-1, -2), group, 2)  # [b, nkv, R, Lc]
+    s = row_blocks(q, keys.transpose(-1, -2), group)  # [b, nkv, R, Lc]
     s = s.float().mul_(1.0 / math.sqrt(hd)).add_(bias)
     top = s.amax(-1, keepdim=True).clamp_min_(-1e30)  # a row that may see nothing (a hole) gets exp(-inf) = 0
     p = s.sub_(top).exp_().view(b, nkv, R, C, CHUNK)
     den = p.sum(-1).cumsum(-1)[..., -1:]  # [b, nkv, R, 1]
-    o = row_blocks(p.to(values.dtype).transpose(2, 3), values.view(b, nkv, C, CHUNK, hd), group, 3)  # [b, nkv, C, R, hd]
+    o = row_blocks(p.to(values.dtype).transpose(2, 3), values.view(b, nkv, C, CHUNK, hd), group)  # [b, nkv, C, R, hd]
     num = o.float().cumsum(2)[:, :, -1]  # [b, nkv, R, hd]
     return num / den.clamp_min(1e-30)
 
 
-def row_blocks(x: torch.Tensor, w: torch.Tensor, group: int, dim: int) -> torch.Tensor:
-    """``torch.matmul(x, w)`` with the rows of x (along ``dim``, the second-to-last) computed so that each
-    row's bits do not depend on how many rows there are.
+def row_blocks(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """``torch.matmul(x, w)`` with the rows of x (its second-to-last dimension) computed so that each row's
+    bits do not depend on how many rows there are.
 
     bf16 (oneDNN): one matmul; its rows are independent at any count (:func:`check_row_invariance`).
     float32 on a CPU (MKL), batch 1 (``x.shape[0]``; the regime whose exactness the project claims: AR and
