@@ -7,8 +7,8 @@ weights make a step memory-bound). This module runs the same weights with
 - the K/V written in place into a buffer that grows geometrically (:class:`StaticKV`); rolling back a
   rejected tail only moves the length;
 - fused projections (one matmul for q, k, v and one for gate and up), prepacked once into oneDNN's
-  blocked layout (:class:`Linear`; in float32 too, where it beat MKL's ``F.linear`` by 1.2-2x at 1 and 16
-  rows on a 2-core AVX2 EPYC);
+  blocked layout (:class:`Linear`; in float32 too, where it beat MKL's ``F.linear`` at 1 and 16 rows in
+  a probe on a 2-core AVX2 EPYC);
 - weights in the target dtype: bfloat16 where the CPU has native bf16 dot products (``target.dtype:
   auto``, :func:`resolve_dtype`), float32 elsewhere; norms, RoPE, softmax and the residual stream stay
   float32;
@@ -181,7 +181,7 @@ class Linear:
 
     On a CPU (float32, or bf16 where native) the weight is prepacked once into oneDNN's blocked layout for
     16-row products (``torch.ops.mkldnn._reorder_linear_weight``; faster than ``F.linear`` at 1 and at 16 rows
-    in probes on 2-core EPYCs, bf16 about twice, float32 1.2-2x, and a row's bits do not depend on how many
+    in probes on 2-core EPYCs, in bf16 and float32, and a row's bits do not depend on how many
     rows are computed with it). In bf16 a product over more than :data:`K_CHUNK` input features is summed, in
     float32, from equal parts of at most that many (oneDNN's bf16 kernels are row-invariant up to that
     depth). On a CPU with AMX-BF16, oneDNN switches kernel above 32-64 rows (to AMX tiles, which
