@@ -221,3 +221,24 @@ def test_unreadable_cached_target_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", ')
     with pytest.raises(TargetError, match=f"delete the folder {tmp_path}"):
         _load_cached_gguf(tmp_path, torch.float32)
+
+
+def test_provenance_names_the_cpu_class():
+    """One model name ("AMD EPYC") came with and without native bf16: provenance records the CPU's matrix
+    features, and every "where" line of the README names the class and, for one target, its dtype."""
+    from xpress import report
+    from xpress.runtime import cpu_features
+
+    prov = utils.provenance("smoke")
+    assert prov["machine"]["cpu_features"] == cpu_features()
+    feats = {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": False, "onednn_bf16": True}
+    bf16 = {"machine": {"cpu_model": "AMD EPYC", "torch_threads": 2, "cpu_features": feats},
+            "target_runtime": {"dtype": "bfloat16"}, "git_revision": "abcdef0123", "date": "2026-12-02"}
+    assert report._where(bf16).startswith("AMD EPYC (AVX512-BF16, bfloat16), 2 torch threads")
+    assert report._where(bf16, dtype=False).startswith("AMD EPYC (AVX512-BF16), 2")
+    avx2 = {**bf16, "machine": {**bf16["machine"], "cpu_features": {**feats, "avx512f": False, "avx512_bf16": False}},
+            "target_runtime": {"dtype": "float32"}}
+    assert utils.cpu_class(avx2) == "AVX2 only, float32"
+    assert utils.cpu_class({"machine": {"cpu_model": "x"}}) == ""  # an older block: no claim
+    old = {**bf16, "machine": {"cpu_model": "AMD EPYC", "torch_threads": 2}, "target_runtime": {}}
+    assert report._where(old).startswith("AMD EPYC, 2 torch threads")

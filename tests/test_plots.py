@@ -69,7 +69,7 @@ def test_report_shows_the_target_cost_and_ar_against_generate(results):
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
     assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched",
-                                          "target_cost", "data_scaling"}
+                                          "target_cost", "data_scaling", "levers"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -87,12 +87,13 @@ def test_every_figure_from_synthetic_files(results):
         {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
         for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
     write(results, "target_cost", target_cost_result())
-    write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2}
+    write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2,
+                                        "implied_speedup": t / 2, "measured_speedup": t / 2.1}
                                        for lv, n, t in (("base", 900, 1.9), ("train.train_sequences=1", 100, 1.4),
-                                                        ("train.train_sequences=3", 300, 1.7))]})
+                                                        ("train.train_sequences=3", 300, 1.7), ("drafter.num_layers=1", 900, 2.0))]})
     drawn, missing = draw_all("p")
     assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
-                                                         "latency", "batched", "target_cost", "data_scaling"]
+                                                         "latency", "batched", "target_cost", "data_scaling", "levers"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0
@@ -162,3 +163,22 @@ def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_ar
     text = results_markdown("p", results)
     assert "NVIDIA H200" in text and "not measured yet" not in text
     assert "| paper | xpress K=4 | xpress K=4 | 0.3 | 0.500 | 379 | 0.631 |" in text
+
+
+def test_lever_rows_compare_one_machine_class_at_one_length():
+    """The lever figure compares rows of one step count and one target dtype, the preset first, then by the
+    speedup tau implies; the data-scaling prefixes and undecoded rows stay out."""
+    from xpress.plots import lever_rows
+
+    def row(lever, steps, dtype, implied, tau=1.5):
+        return {"lever": lever, "steps": steps, "target_dtype": dtype, "val_tau": tau, "implied_speedup": implied}
+
+    rows = [row("base", 2800, "float32", 0.8), row("drafter.block_size=8", 2800, "float32", 0.95),
+            row("drafter.num_layers=1", 2800, "float32", 0.9), row("train.train_sequences=300", 2800, "float32", 0.7),
+            row("drafter.block_size=8", 2800, "bfloat16", 1.2),             # another machine class: no base beside it
+            row("base", 400, "bfloat16", 0.5), row("drafter.num_layers=1", 400, "bfloat16", 0.6),
+            {"lever": "train.anchors_per_seq=32", "steps": 2800, "target_dtype": "float32", "val_tf_tau": 1.4}]
+    got = lever_rows({"rows": rows})
+    assert [(r["lever"], r["target_dtype"]) for r in got] == [
+        ("base", "float32"), ("drafter.block_size=8", "float32"), ("drafter.num_layers=1", "float32")]
+    assert lever_rows({"rows": rows[3:5]}) == [] and lever_rows(None) == []

@@ -444,13 +444,19 @@ def test_lever_rows_merge(tmp_path, monkeypatch):
 
     # each row says where it comes from (rows of several runs share the file), in the CSV too
     prov = row_provenance("smoke", "python -m xpress.studies.levers --preset smoke base")
-    assert set(prov) == {"command", "git_revision", "date", "cpu", "target_dtype"}
+    assert set(prov) == {"command", "git_revision", "date", "cpu", "cpu_class", "target_dtype"}
     assert prov["command"].endswith("--preset smoke base") and prov["git_revision"] and prov["date"]
     record("smoke", [{"lever": "base", "steps": 4, "seconds": 2.0, "s_per_step": 0.5, "val_tf_tau": 1.4, "blocks": 3,
                       **prov}])
     csv = pd.read_csv(tmp_path / "smoke" / "levers.csv").set_index("lever")
     assert csv.loc["base", "command"] == prov["command"]
     assert pd.isna(csv.loc["train.lr=1e-3", "git_revision"])  # a row recorded without provenance has none
+    # ... and the file's provenance block of the write before, which described it, is kept for it
+    first = json.loads((tmp_path / "smoke" / "levers.json").read_text())
+    assert first["legacy_provenance"]["git_revision"] and first["provenance"]["date"] >= first["legacy_provenance"]["date"]
+    record("smoke", [{"lever": "train.lr=1e-3", "steps": 4, "seconds": 1.0, "s_per_step": 0.25, "val_tf_tau": 1.3,
+                      "blocks": 3, **prov}])
+    assert "legacy_provenance" not in json.loads((tmp_path / "smoke" / "levers.json").read_text())  # no such row left
     with pytest.raises(Exception, match="nosuch"):
         lever_config("smoke", "train.nosuch=1", 4)
 

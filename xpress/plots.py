@@ -440,6 +440,56 @@ def break_even_tau(rows: Sequence[dict]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def lever_rows(levers: dict | None) -> list[dict]:
+    """The full-length lever comparison in ``levers.json``: the one-key levers (not the data-scaling
+    prefixes) decoded on the validation prompts, at the largest number of steps where ``base`` and at least
+    one other lever ran with the same target dtype (rows of another machine class do not compare), ``base``
+    first, then by implied speedup ([] when there is none yet: ``make studies`` runs them)."""
+    rows = [r for r in (levers or {}).get("rows", []) if r.get("val_tau") is not None
+            and not r["lever"].startswith("train.train_sequences=")]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["steps"], r.get("target_dtype")), []).append(r)
+    full = [k for k, rs in groups.items() if len(rs) >= 2 and any(r["lever"] == "base" for r in rs)]
+    if not full:
+        return []
+    best = groups[max(full, key=lambda k: (k[0], len(groups[k])))]
+    return sorted(best, key=lambda r: (r["lever"] != "base", -(r.get("implied_speedup") or 0)))
+
+
+def plot_levers(rows: Sequence[dict]):
+    """Per lever: tau by decoding the validation prompts, and the speedup over AR it implies at that run's
+    own stage costs (bars) beside the one measured end to end (dots); dashed: the preset (``base``) and 1x."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 0.45 * len(df) + 1.4), sharey=True)
+    sns.barplot(data=df, y="lever", x="val_tau", ax=axes[0], color="C0")
+    axes[0].axvline(float(df.loc[df["lever"] == "base", "val_tau"].iloc[0]), ls="--", color="grey")
+    axes[0].set_xlabel("tau by decoding (held-out prompts)")
+    sns.barplot(data=df, y="lever", x="implied_speedup", ax=axes[1], color="C1", label="implied by tau")
+    if "measured_speedup" in df:
+        axes[1].scatter(df["measured_speedup"], range(len(df)), color="k", zorder=3, label="measured")
+    axes[1].axvline(1.0, ls="--", color="grey")
+    axes[1].set_xlabel("speedup over AR")
+    axes[1].legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_ylabel("")
+    fig.suptitle(f"levers, one at a time: the plain drafter after {int(df['steps'].iloc[0])} steps"
+                 + (f" ({df['target_dtype'].iloc[0]} target)" if df.get("target_dtype") is not None else ""))
+    fig.tight_layout()
+    return fig
+
+
+def draw_levers(preset: str) -> Drawn | None:
+    rows = lever_rows(load_result(preset, "levers"))
+    if not rows:
+        return None
+    return Drawn("levers", plot_levers(rows), "levers trained to the same steps from scratch, one config key each, "
+                 "scored by tau by decoding and by speedup over AR. Data: levers.json (make studies).")
+
+
 def draw_data_scaling(preset: str) -> Drawn | None:
     rows = data_scaling_rows(load_result(preset, "levers"))
     if not rows:
@@ -451,7 +501,7 @@ def draw_data_scaling(preset: str) -> Drawn | None:
 
 DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
-           "target_cost": draw_target_cost, "data_scaling": draw_data_scaling}
+           "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from . import paths
+from .utils import cpu_class
 
 README = paths.REPO_ROOT / "README.md"
 
@@ -27,9 +28,13 @@ def _load(folder: Path, name: str) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def _where(prov: dict) -> str:
+def _where(prov: dict, dtype: bool = True) -> str:
+    """Machine, threads, git revision and date of a provenance block, in words (``dtype``: name the target's
+    compute dtype; off for files that time several dtypes)."""
     m = prov.get("machine", {})
-    return (f"{m.get('gpu') or m.get('cpu_model') or m.get('processor', '?')}, {m.get('torch_threads', '?')} torch threads; "
+    tag = "" if m.get("gpu") else cpu_class(prov, dtype)
+    return (f"{m.get('gpu') or m.get('cpu_model') or m.get('processor', '?')}{f' ({tag})' if tag else ''}, "
+            f"{m.get('torch_threads', '?')} torch threads; "
             f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('date', '?')[:10]}")
 
 
@@ -112,7 +117,7 @@ def _cpu_engine_section(preset: str, cost: dict | None, ceiling: dict | None) ->
     out: list[str] = []
     if cost:
         out += [f"Target forward cost (`target_cost.json`, `python -m xpress bench target-cost --preset {preset}`; "
-                f"median ms, batch 1, {_where(cost['provenance'])}):", "",
+                f"median ms, batch 1, {_where(cost['provenance'], dtype=False)}):", "",
                 "| runtime | dtype | context | 1-token step | verify of B | verify / step (break-even tau) |",
                 "|---|---|---|---|---|---|"]
         for b in cost["break_even"]:
@@ -305,7 +310,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
         out += [f"Oracle drafter ceiling (`oracle_ceiling.json`, `python -m xpress bench oracle-ceiling --preset {preset}`): "
                 f"AR {ceiling['ar_tokens_per_s']:.1f} tokens/s, oracle {ceiling['oracle_tokens_per_s']:.1f} tokens/s, "
                 f"speedup {_num(ceiling.get('speedup'))}x at tau {ceiling['tau']:.1f}; a {ceiling['block_size']}-token verify "
-                f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step ({_where(ceiling['provenance'])}).", ""]
+                f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step ({_where(ceiling['provenance'], dtype=False)}).", ""]
     run = _load(folder, "run.json")
     if run:
         times = ", ".join(f"{k} {v / 60:.1f} min" for k, v in run["notebook_seconds"].items())

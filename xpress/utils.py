@@ -164,7 +164,7 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
 
     import transformers
 
-    from .runtime import runtime_choice
+    from .runtime import cpu_features, runtime_choice
 
     cpu_model = ""
     try:
@@ -173,7 +173,8 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
     except OSError:
         pass
     machine = {"platform": platform.platform(), "processor": platform.machine(), "cpu_model": cpu_model,
-               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+               "cpu_features": cpu_features()}  # one model name covers EPYCs with and without native bf16
     if torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(0)
     return {
@@ -189,6 +190,19 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
         "target_runtime": runtime_choice(),
         **extra,
     }
+
+
+def cpu_class(prov: dict, dtype: bool = True) -> str:
+    """The CPU's widest matrix feature and (``dtype``) the compute dtype of the last target loaded, from a
+    provenance block: e.g. ``"AVX2 only, float32"`` ("" where the block predates the record). Machines share model names (a 2-core
+    "AMD EPYC" came with and without AVX512-BF16), and the two run the same stages 2-3x apart."""
+    rt = prov.get("target_runtime") or {}
+    f = prov.get("machine", {}).get("cpu_features") or rt.get("cpu_features")
+    if not f:
+        return ""
+    isa = ("AMX-BF16" if f.get("amx_bf16") else "AVX512-BF16" if f.get("avx512_bf16") else
+           "AVX-512, no bf16" if f.get("avx512f") else "AVX2 only" if f.get("avx2") else "no AVX2")
+    return isa + (f", {rt['dtype']}" if dtype and rt.get("dtype") else "")
 
 
 class DeferredInterrupt:

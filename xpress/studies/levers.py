@@ -107,11 +107,11 @@ def row_provenance(preset: str, command: str) -> dict[str, Any]:
     the target's compute dtype (the file's ``provenance`` block only describes the latest write, and rows
     of several runs share the file). A rescored row gets the rescoring run's; its training seconds stay
     those of the run that trained it."""
-    from ..utils import provenance
+    from ..utils import cpu_class, provenance
 
     p = provenance(preset)
     return {"command": command, "git_revision": p["git_revision"][:12] + ("+dirty" if p["git_dirty"] else ""),
-            "date": p["date"], "cpu": p["machine"]["cpu_model"],
+            "date": p["date"], "cpu": p["machine"]["cpu_model"], "cpu_class": cpu_class(p),
             "target_dtype": p["target_runtime"].get("dtype", "")}
 
 
@@ -124,14 +124,21 @@ def record(preset: str, rows: Sequence[dict]) -> None:
     from ..utils import atomic_write_json, atomic_write_text, provenance
 
     out = paths.RESULTS / preset / "levers.json"
-    old = json.loads(out.read_text())["rows"] if out.is_file() else []
+    before = json.loads(out.read_text()) if out.is_file() else {}
+    old = before.get("rows", [])
+    # rows written before rows carried their own provenance are described by the file's block of that time:
+    # it is kept (``legacy_provenance``) when the file's ``provenance`` moves on to the latest write
+    legacy = before.get("legacy_provenance") or (before.get("provenance") if any("git_revision" not in r for r in old)
+                                                 else None)
     keep = {(r["lever"], r["steps"]): r for r in old}
     for r in rows:  # a rescored run keeps the training time its first run measured
         prev = keep.get((r["lever"], r["steps"]), {})
         keep[(r["lever"], r["steps"])] = {**r, **({k: prev[k] for k in ("seconds", "s_per_step") if k in prev}
                                                  if r["seconds"] is None else {})}
     merged = sorted(keep.values(), key=lambda r: (r["steps"], -r["val_tf_tau"]))
-    atomic_write_json(out, {"rows": merged, "provenance": provenance(preset)})
+    atomic_write_json(out, {"rows": merged, "provenance": provenance(preset),
+                            **({"legacy_provenance": legacy} if legacy and any("git_revision" not in r for r in merged)
+                               else {})})
     atomic_write_text(out.with_suffix(".csv"), pd.DataFrame(merged).to_csv(index=False))
 
 
