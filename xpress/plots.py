@@ -476,8 +476,9 @@ def plot_levers(rows: Sequence[dict]):
     axes[1].set_xlabel("speedup over AR")
     axes[1].legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     axes[0].set_ylabel("")
+    dtype = df["target_dtype"].iloc[0] if "target_dtype" in df else None
     fig.suptitle(f"levers, one at a time: the plain drafter after {int(df['steps'].iloc[0])} steps"
-                 + (f" ({df['target_dtype'].iloc[0]} target)" if df.get("target_dtype") is not None else ""))
+                 + (f" ({dtype} target)" if isinstance(dtype, str) and dtype else ""))
     fig.tight_layout()
     return fig
 

@@ -194,8 +194,9 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
 
 def cpu_class(prov: dict, dtype: bool = True) -> str:
     """The CPU's widest matrix feature and (``dtype``) the compute dtype of the last target loaded, from a
-    provenance block: e.g. ``"AVX2 only, float32"`` ("" where the block predates the record). Machines share model names (a 2-core
-    "AMD EPYC" came with and without AVX512-BF16), and the two run the same stages 2-3x apart."""
+    provenance block: e.g. ``"AVX2 only, float32"`` ("" where the block predates the record). Machines share
+    model names (a 2-core "AMD EPYC" came with and without AVX512-BF16), and the two run the same stages
+    2-3x apart."""
     rt = prov.get("target_runtime") or {}
     f = prov.get("machine", {}).get("cpu_features") or rt.get("cpu_features")
     if not f:
