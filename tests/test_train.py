@@ -28,7 +28,8 @@ from xpress.proposer import load_drafter, new_drafter
 from xpress.targets import target_forward
 from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
                                  teacher_forced_acceptance)
-from xpress.train.loop import CoTrainer, build_vocab, compute_loss, make_batch, step_generator, train
+from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, step_generator,
+                               step_rows, train, training_rows)
 from xpress.train.regenerate import RegenData, regenerate
 
 DATA = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16", "data.regen_shard_size=4"]
@@ -461,11 +462,30 @@ def test_lever_rows_merge(tmp_path, monkeypatch):
         lever_config("smoke", "train.nosuch=1", 4)
 
 
+def test_training_rows_and_step_rows():
+    """Training rows: the train split, or its first train.train_sequences (nested prefixes), a one-line error
+    when too many or none; a step's rows: a function of (seed, step) alone, the ranks splitting one draw."""
+    split = types.SimpleNamespace(indices=lambda name: [3, 5, 8, 13, 21] if name == "train" else [], folder="d")
+    assert training_rows(small(), split) == [3, 5, 8, 13, 21]
+    assert training_rows(small("train.train_sequences=2"), split) == [3, 5]
+    with pytest.raises(TrainingError, match="train.train_sequences=6 exceeds the 5 .* lower it"):
+        training_rows(small("train.train_sequences=6"), split)
+    with pytest.raises(TrainingError, match="d holds no training sequences"):
+        training_rows(small(), types.SimpleNamespace(indices=lambda name: [], folder="d"))
+    cfg, rows = small("train.batch_size=3"), list(range(100, 200))
+    draws = [step_rows(rows, cfg, s, 0, 1) for s in range(6)]
+    assert draws == [step_rows(rows, cfg, s, 0, 1) for s in range(6)]  # a resumed run draws the same rows
+    assert all(len(d) == 3 and set(d) <= set(rows) for d in draws) and len({tuple(d) for d in draws}) > 1
+    world = [step_rows(rows, cfg, 4, r, 2) for r in (0, 1)]  # two ranks split one draw of 6
+    pick = torch.randint(len(rows), (6,), generator=step_generator(cfg.seed, 4, -1)).tolist()
+    assert world[0] + world[1] == [rows[i] for i in pick]
+
+
 def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, monkeypatch):
     """train.train_sequences trains on a prefix of the training split (recorded with its tokens); a lever
     row carries tau by decoding and the speedups; too many sequences is a one-line error."""
     from xpress.studies.levers import run_lever
-    from xpress.train.loop import TrainingError, run_stage
+    from xpress.train.loop import run_stage
 
     _where(monkeypatch, root, "fewer")
     n = len(data.indices("train"))

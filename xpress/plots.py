@@ -263,11 +263,11 @@ def plot_latency(rows: Sequence[dict]):
 
 
 def draw_latency(preset: str) -> Drawn | None:
-    """Notebook 05's own figure (:func:`xpress.studies.latency.plot_latency`) for its ``shape_sets``
+    """Notebook 05's own figure (:func:`xpress.studies.table3.plot_latency_vs_k`) for its ``shape_sets``
     layout, else :func:`plot_latency` of whatever table the file holds."""
     data = load_result(preset, "latency")
     if isinstance(data, dict) and data.get("shape_sets"):
-        from .studies.latency import plot_latency as plot_sets
+        from .studies.table3 import plot_latency_vs_k as plot_sets
 
         return Drawn("latency", plot_sets(data), "Figure 4 analogue: refinement latency per block against K (median, "
                      "IQR bars) with the Markov head's serial decode as a dashed line, per shape set. Data: latency.json, "

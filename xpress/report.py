@@ -193,7 +193,7 @@ def _latency_section(lat: dict) -> list[str]:
                          f"{ratio('readout_only_k4')}")
             out.append(line)
     if isinstance(lat, dict) and lat.get("shape_sets"):
-        from .studies.latency import PAPER_MARKOV_DRAFT_SHARE, PAPER_TABLE3_US as us
+        from .studies.table3 import PAPER_MARKOV_DRAFT_SHARE, PAPER_TABLE3_US as us
 
         line = (f"- the paper's Table 3 (one H200, its numbers): Markov head {us['markov']} us, xPress K=4 "
                 f"{us['xpress K=4']} us, so Markov / xPress K=4 = {us['markov'] / us['xpress K=4']:.2f}x; K=1..8: "
@@ -215,7 +215,7 @@ def _gpu_section(folder: Path) -> list[str]:
     if not h200:
         return [f"**GPU latency (H200)**: not measured yet; {cmd} on one H200 writes `results/h200/latency.json`, "
                 "shown here and in notebook 05 when present.", ""]
-    from .studies.latency import beside_paper_table3
+    from .studies.table3 import beside_paper_table3
 
     out = [f"**GPU latency (H200)** (`results/h200/latency.json`, {cmd}; {_where(h200['provenance'])}): per block, "
            "beside the paper's Table 3 (its numbers, labelled paper):", "",

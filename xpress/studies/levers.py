@@ -201,9 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         decoded = (f", tau by decoding {row['val_tau']:.2f}, {row['measured_speedup']:.2f}x AR measured, "
                    f"{row['implied_speedup']:.2f}x implied" if "val_tau" in row else "")
         print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps{decoded}", flush=True)
-    drawn = plots.draw_data_scaling(args.preset)
-    if drawn is not None:
-        print("figure:", *plots.save_fig(drawn.fig, drawn.name, args.preset), flush=True)
+    for draw in (plots.draw_levers, plots.draw_data_scaling):
+        drawn = draw(args.preset)
+        if drawn is not None:
+            print("figure:", *plots.save_fig(drawn.fig, drawn.name, args.preset), flush=True)
     return 0
 
 

@@ -364,6 +364,85 @@ def resolve_mixed_precision(name: str) -> str:
     return name
 
 
+def _resumable_state(folder: Path, signature: dict, overwrite: bool) -> dict | None:
+    """The state of ``folder``'s checkpoint if it continues this stage (same signature), else None; a
+    checkpoint of another signature is a TrainingError unless ``overwrite`` (then the stage starts over)."""
+    state = read_state(folder)
+    if state is not None and state.get("signature_hash") != config_hash(signature):
+        if not overwrite:
+            raise TrainingError(f"{folder} holds a checkpoint of another config or method (method {state.get('method')!r}, "
+                                f"step {state.get('step')}); remove it or pass --overwrite to start over")
+        return None
+    return state
+
+
+def _starting_point(cfg: Config, folder: Path, state: dict | None, method: str, target, vocab: DraftVocab,
+                    init: str | None) -> tuple[ModelDrafter, dict | None, int, list[dict]]:
+    """(drafter, trainer state, first step, log so far): the checkpoint's when ``state`` says one is there,
+    else a fresh drafter (its plain-drafter weights from ``init``, or from the target's layers when
+    ``drafter.init_from_target``), step 0 and an empty log."""
+    if state is not None:
+        try:
+            drafter = load_drafter(folder, method, cfg, target)
+            trainer_state = torch.load(folder / TRAINER_FILE, weights_only=False)
+        except Exception as e:  # a truncated or foreign file: one clear line
+            raise TrainingError(f"checkpoint {folder} is corrupt or incomplete ({e.__class__.__name__}: "
+                                f"{str(e).splitlines()[0][:200]}); remove it or pass --overwrite") from None
+        if drafter.vocab != vocab:
+            raise TrainingError(f"{folder} was trained with another draft vocabulary; pass --overwrite")
+        return drafter, trainer_state, int(trainer_state["step"]), list(trainer_state["log"])
+    drafter = new_drafter(method, cfg, target, vocab, seed=cfg.seed)
+    if init is not None:
+        try:  # a checkpoint folder (the warm start), or a released drafter (folder or hub id)
+            warm = DFlashDraftModel.from_pretrained(init, target=target)
+        except Exception as e:
+            raise TrainingError(f"cannot start from {init} ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})") from None
+        drafter.drafter.load_state_dict(warm.state_dict())
+    elif cfg.drafter.init_from_target:
+        init_from_target_layers(drafter.drafter, target)
+    return drafter, None, 0, []
+
+
+def training_rows(cfg: Config, data: RegenData) -> list[int]:
+    """The regenerated sequences a stage trains on: the training split, or its first
+    ``train.train_sequences`` (a prefix, so that smaller sets nest, for the data-scaling curve)."""
+    rows = data.indices("train")
+    if cfg.train.train_sequences:
+        if cfg.train.train_sequences > len(rows):
+            raise TrainingError(f"train.train_sequences={cfg.train.train_sequences} exceeds the {len(rows)} "
+                                f"regenerated training sequences; lower it or raise data.n_train_prompts")
+        rows = rows[:cfg.train.train_sequences]
+    if not rows:
+        raise TrainingError(f"{data.folder} holds no training sequences")
+    return rows
+
+
+def step_rows(train_rows: list[int], cfg: Config, step: int, rank: int, world: int) -> list[int]:
+    """This rank's ``train.batch_size`` sequences at ``step``: one draw of ``batch_size x world`` rows from
+    (seed, step) alone, split by rank: a resumed run draws what the uninterrupted one did, and no two ranks
+    depend on each other's state."""
+    pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
+    return [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
+
+
+def train_step(model, optimizer, accelerator, params: list, batch: Batch, vocab: DraftVocab, readout: torch.Tensor,
+               cfg: Config, step: int, steps: int, consistency: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    """One optimiser step at ``step`` of ``steps``: the scheduled learning rate and anchor weight, the
+    forward and loss under the accelerator's autocast, backward, gradient clipping. Returns (the loss's
+    log entries, the gradient norm before clipping)."""
+    for g in optimizer.param_groups:
+        g["lr"] = _lr(step, steps, cfg)
+    aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
+    with accelerator.autocast():
+        out = model(batch, consistency=consistency)
+        loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
+    optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss)
+    grad_norm = accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
+    optimizer.step()
+    return logs, grad_norm
+
+
 def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
               init: str | None = None, progress: bool = True, overwrite: bool = False,
               stop_after: int | None = None, accelerator=None, write_log: bool = True) -> dict[str, Any]:
@@ -377,18 +456,12 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     from tqdm.auto import tqdm
 
     from ..targets import load_target
-    from ..utils import atomic_write_json, atomic_write_text, provenance
 
     if method not in METHODS:
         raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
     folder = checkpoint_dir(cfg, stage)
     signature = stage_signature(cfg, stage, method, steps, init)
-    state = read_state(folder)
-    if state is not None and state.get("signature_hash") != config_hash(signature):
-        if not overwrite:
-            raise TrainingError(f"{folder} holds a checkpoint of another config or method (method {state.get('method')!r}, "
-                                f"step {state.get('step')}); remove it or pass --overwrite to start over")
-        state = None
+    state = _resumable_state(folder, signature, overwrite)
     if state is not None and state.get("complete"):
         return {"stage": stage, "method": method, "skipped": True, **state}
 
@@ -403,28 +476,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     data = data or RegenData.load(cfg)
     target = target or load_target(cfg)
     vocab, coverage = build_vocab(cfg, target, data)
-
-    if state is not None:
-        try:
-            drafter = load_drafter(folder, method, cfg, target)
-            trainer_state = torch.load(folder / TRAINER_FILE, weights_only=False)
-        except Exception as e:  # a truncated or foreign file: one clear line
-            raise TrainingError(f"checkpoint {folder} is corrupt or incomplete ({e.__class__.__name__}: "
-                                f"{str(e).splitlines()[0][:200]}); remove it or pass --overwrite") from None
-        if drafter.vocab != vocab:
-            raise TrainingError(f"{folder} was trained with another draft vocabulary; pass --overwrite")
-        start, log = int(trainer_state["step"]), list(trainer_state["log"])
-    else:
-        drafter = new_drafter(method, cfg, target, vocab, seed=cfg.seed)
-        if init is not None:
-            try:  # a checkpoint folder (the warm start), or a released drafter (folder or hub id)
-                warm = DFlashDraftModel.from_pretrained(init, target=target)
-            except Exception as e:
-                raise TrainingError(f"cannot start from {init} ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})") from None
-            drafter.drafter.load_state_dict(warm.state_dict())
-        elif cfg.drafter.init_from_target:
-            init_from_target_layers(drafter.drafter, target)
-        trainer_state, start, log = None, 0, []
+    drafter, trainer_state, start, log = _starting_point(cfg, folder, state, method, target, vocab, init)
 
     module = CoTrainer(drafter.drafter, drafter.head, vocab).train()
     if cfg.train.refiner_only and method != "dflash":
@@ -436,18 +488,11 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     model, optimizer = accelerator.prepare(module, optimizer)
     readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
 
-    train_rows = data.indices("train")
-    if cfg.train.train_sequences:  # data scaling: the first N sequences (a prefix, so smaller sets nest)
-        if cfg.train.train_sequences > len(train_rows):
-            raise TrainingError(f"train.train_sequences={cfg.train.train_sequences} exceeds the {len(train_rows)} "
-                                f"regenerated training sequences; lower it or raise data.n_train_prompts")
-        train_rows = train_rows[:cfg.train.train_sequences]
-    if not train_rows:
-        raise TrainingError(f"{data.folder} holds no training sequences")
+    train_rows = training_rows(cfg, data)
     val_prompts = data.prompts("val")[:cfg.train.eval_prompts]
     world, rank = accelerator.num_processes, accelerator.process_index
     end = steps if stop_after is None else min(steps, stop_after)
-    head_free = method == "dflash"
+    consistency = cfg.train.consistency_weight > 0 and method != "dflash"  # the plain drafter has no head
 
     def evaluate() -> dict[str, float] | None:
         if not (main and val_prompts):
@@ -459,6 +504,9 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         module.train()
         return {**result, **{f"val_{k}": v for k, v in tf.items()}}
 
+    def save() -> None:
+        _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+
     bar = tqdm(total=steps, initial=start, desc=f"train {stage}", unit="step", disable=not (progress and main),
                dynamic_ncols=True)
     t_last, tokens_since = time.perf_counter(), 0
@@ -468,20 +516,10 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     with DeferredInterrupt() as stop:  # Ctrl-C stops at the next step boundary, with a checkpoint
         try:
             while step < end and not stop.requested:
-                gen = step_generator(cfg.seed, step, rank)
-                pick = torch.randint(len(train_rows), (cfg.train.batch_size * world,), generator=step_generator(cfg.seed, step, -1))
-                rows = [train_rows[i] for i in pick[rank * cfg.train.batch_size:(rank + 1) * cfg.train.batch_size].tolist()]
-                batch = make_batch(data, rows, cfg, gen, target=target).to(accelerator.device)
-                for g in optimizer.param_groups:
-                    g["lr"] = _lr(step, steps, cfg)
-                aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
-                with accelerator.autocast():
-                    out = model(batch, consistency=cfg.train.consistency_weight > 0 and not head_free)
-                    loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
-                optimizer.zero_grad(set_to_none=True)
-                accelerator.backward(loss)
-                grad_norm = accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
-                optimizer.step()
+                batch = make_batch(data, step_rows(train_rows, cfg, step, rank, world), cfg,
+                                   step_generator(cfg.seed, step, rank), target=target).to(accelerator.device)
+                logs, grad_norm = train_step(model, optimizer, accelerator, params, batch, vocab, readout, cfg,
+                                             step, steps, consistency)
                 step += 1
                 tokens_since += int(batch.label_valid.sum()) * world
                 bar.update(1)
@@ -496,7 +534,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
                     bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
                                     tok_s=f"{row['tokens_per_s']:.0f}")
                 if main and step % cfg.train.checkpoint_every == 0 and step < end:
-                    _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+                    save()
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -506,7 +544,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     if final_eval is not None and log:
         log[-1]["val"] = final_eval
     if main:
-        _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
+        save()
     accelerator.wait_for_everyone()
     if os.environ.get("XPRESS_SAVE_EVERY_RANK") == "1":  # tests: each process's own weights (DDP keeps them equal)
         from safetensors.torch import save_file
@@ -520,13 +558,20 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
                "train_response_tokens": sum(len(data.input_ids[i]) - data.prompt_len[i] for i in train_rows),
                "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
     if main and write_log:
-        out = paths.RESULTS / cfg.preset
-        atomic_write_json(out / f"train_{stage}.json", {**summary, "log": log, "signature": signature,
-                                                        "provenance": provenance(cfg.preset, world_size=world)})
-        atomic_write_text(out / f"train_{stage}.csv", _csv(log))
+        _write_stage_log(cfg, stage, summary, log, signature, world)
     if interrupted:
         raise KeyboardInterrupt
     return summary
+
+
+def _write_stage_log(cfg: Config, stage: str, summary: dict, log: list[dict], signature: dict, world: int) -> None:
+    """``results/<preset>/train_<stage>.json`` (summary, log, signature, provenance) and its log as CSV."""
+    from ..utils import atomic_write_json, atomic_write_text, provenance
+
+    out = paths.RESULTS / cfg.preset
+    atomic_write_json(out / f"train_{stage}.json", {**summary, "log": log, "signature": signature,
+                                                    "provenance": provenance(cfg.preset, world_size=world)})
+    atomic_write_text(out / f"train_{stage}.csv", _csv(log))
 
 
 def _csv(log: list[dict]) -> str:
