@@ -458,6 +458,13 @@ def test_lever_rows_merge(tmp_path, monkeypatch):
     record("smoke", [{"lever": "train.lr=1e-3", "steps": 4, "seconds": 1.0, "s_per_step": 0.25, "val_tf_tau": 1.3,
                       "blocks": 3, **prov}])
     assert "legacy_provenance" not in json.loads((tmp_path / "smoke" / "levers.json").read_text())  # no such row left
+    # a rescore (seconds None) keeps the training time and where the training ran, twice over
+    for command in ("rescore 1", "rescore 2"):
+        record("smoke", [{"lever": "base", "steps": 4, "seconds": None, "s_per_step": None, "val_tf_tau": 1.5,
+                          "blocks": 3, **prov, "command": command}])
+    base = next(r for r in json.loads((tmp_path / "smoke" / "levers.json").read_text())["rows"] if r["lever"] == "base")
+    assert (base["seconds"], base["s_per_step"], base["val_tf_tau"], base["command"]) == (2.0, 0.5, 1.5, "rescore 2")
+    assert (base["trained_command"], base["trained_git_revision"]) == (prov["command"], prov["git_revision"])
     with pytest.raises(Exception, match="nosuch"):
         lever_config("smoke", "train.nosuch=1", 4)
 

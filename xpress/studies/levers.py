@@ -131,15 +131,25 @@ def record(preset: str, rows: Sequence[dict]) -> None:
     legacy = before.get("legacy_provenance") or (before.get("provenance") if any("git_revision" not in r for r in old)
                                                  else None)
     keep = {(r["lever"], r["steps"]): r for r in old}
-    for r in rows:  # a rescored run keeps the training time its first run measured
+    for r in rows:
         prev = keep.get((r["lever"], r["steps"]), {})
-        keep[(r["lever"], r["steps"])] = {**r, **({k: prev[k] for k in ("seconds", "s_per_step") if k in prev}
-                                                 if r["seconds"] is None else {})}
+        keep[(r["lever"], r["steps"])] = {**r, **(trained_by(prev) if r["seconds"] is None else {})}
     merged = sorted(keep.values(), key=lambda r: (r["steps"], -r["val_tf_tau"]))
     atomic_write_json(out, {"rows": merged, "provenance": provenance(preset),
                             **({"legacy_provenance": legacy} if legacy and any("git_revision" not in r for r in merged)
                                else {})})
     atomic_write_text(out.with_suffix(".csv"), pd.DataFrame(merged).to_csv(index=False))
+
+
+def trained_by(row: dict) -> dict[str, Any]:
+    """What a rescored row (``seconds`` None: the checkpoint was complete, only scored again) keeps of the
+    row of the run that trained it: its training time and, as ``trained_command``, ``trained_git_revision``
+    and ``trained_date``, where that training ran (the row's own provenance then describes the scoring)."""
+    kept = {k: row[k] for k in ("seconds", "s_per_step") if k in row}
+    for k in ("command", "git_revision", "date"):
+        if f"trained_{k}" in row or k in row:
+            kept[f"trained_{k}"] = row.get(f"trained_{k}", row.get(k))
+    return kept
 
 
 def generalisation_gap(preset: str, stages: Sequence[str] = ("warmstart", "dflash", "markov", "xpress"),
