@@ -507,6 +507,9 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
     assert row["train_response_tokens"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in first2)
     assert row["decode_prompts"] == 1 and row["val_tau"] >= 1 and row["ar_step_ms"] > 0 and row["round_ms"] > 0
     assert row["implied_speedup"] == pytest.approx(row["val_tau"] * row["ar_step_ms"] / row["round_ms"])
+    again = run_lever("smoke", "train.train_sequences=2", 2, target=target, data=data, progress=False, decode_prompts=1)
+    assert again["seconds"] is None and again["val_tf_tau"] == row["val_tf_tau"]  # complete: only rescored
+    assert (again["train_sequences"], again["train_response_tokens"]) == (2, row["train_response_tokens"])
 
 
 def test_data_scaling_curve_and_its_fit():

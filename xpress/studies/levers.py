@@ -40,7 +40,7 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     """Train and score one lever; returns its row (lever, steps, seconds, s_per_step, val_tf_tau, blocks,
     the training data it saw, and :func:`decode_score` on ``decode_prompts`` validation prompts)."""
     from ..proposer import load_drafter
-    from ..train.loop import CoTrainer, checkpoint_dir, run_stage, teacher_forced_val
+    from ..train.loop import CoTrainer, checkpoint_dir, run_stage, teacher_forced_val, training_rows
     from ..train.regenerate import RegenData
 
     cfg = lever_config(preset, lever, steps)
@@ -50,13 +50,14 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     summary = run_stage(cfg, stage, "dflash", steps, target=target, data=data, progress=progress, overwrite=True,
                         write_log=False)
     seconds = None if summary["skipped"] else time.perf_counter() - t0  # a complete run is only rescored
+    rows = training_rows(cfg, data)  # what the stage trained on (a skipped stage's summary does not say)
     md = load_drafter(checkpoint_dir(cfg, stage), "dflash", cfg, target)
     val = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, cfg)
     prompts = data.prompts("val")[:decode_prompts]
     score = decode_score(target, md, prompts, cfg.train.eval_max_new_tokens) if prompts else {}
     return {"lever": lever, "steps": steps, "seconds": seconds, "s_per_step": seconds and seconds / steps,
-            "val_tf_tau": val["tf_tau"], "blocks": val["blocks"], "train_sequences": summary["train_sequences"],
-            "train_response_tokens": summary["train_response_tokens"], **score}
+            "val_tf_tau": val["tf_tau"], "blocks": val["blocks"], "train_sequences": len(rows),
+            "train_response_tokens": sum(len(data.input_ids[i]) - data.prompt_len[i] for i in rows), **score}
 
 
 def decode_score(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:
