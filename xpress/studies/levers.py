@@ -11,8 +11,10 @@ Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run
 drafter for ``--steps`` steps into ``checkpoints/<preset>/levers/<name>/`` (never the real stages' folders),
 then scores it with :func:`xpress.train.loop.teacher_forced_val`, whose fixed anchors make the runs
 compare on the same ~700 blocks (a lever with another block size scores blocks of its own length). A
-complete run of the same lever and steps is not retrained, only rescored. Rows append to ``results/<preset>/levers.{json,csv}`` (one row per lever;
-a rerun of the same lever and steps replaces its row).
+complete run of the same lever and steps is not retrained, only rescored: its row keeps the training time
+and, as ``trained_command``, ``trained_git_revision`` and ``trained_date``, where the training ran. Rows
+append to ``results/<preset>/levers.{json,csv}`` (one row per lever; a rerun of the same lever and steps
+replaces its row).
 
 Teacher-forced acceptance over random anchors runs higher than tau by decoding (decoding rounds start
 where the previous draft failed, which are harder positions), so the rows rank levers; they are not a tau.
