@@ -59,7 +59,7 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     score = decode_score(target, md, prompts, cfg.train.eval_max_new_tokens) if prompts else {}
     return {"lever": lever, "steps": steps, "seconds": seconds, "s_per_step": seconds and seconds / steps,
             "val_tf_tau": val["tf_tau"], "blocks": val["blocks"], "train_sequences": len(rows),
-            "train_response_tokens": sum(len(data.input_ids[i]) - data.prompt_len[i] for i in rows), **score}
+            "train_response_tokens": data.answer_tokens(rows), **score}
 
 
 def decode_score(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:

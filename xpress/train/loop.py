@@ -555,7 +555,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "mixed_precision": accelerator.mixed_precision, "train_sequences": len(train_rows),
-               "train_response_tokens": sum(len(data.input_ids[i]) - data.prompt_len[i] for i in train_rows),
+               "train_response_tokens": data.answer_tokens(train_rows),
                "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
     if main and write_log:
         _write_stage_log(cfg, stage, summary, log, signature, world)

@@ -461,7 +461,11 @@ class RegenData:
         return len(self.indices(split))
 
     def response_tokens(self, split: str) -> int:
-        return sum(len(self.input_ids[i]) - self.prompt_len[i] for i in self.indices(split))
+        return self.answer_tokens(self.indices(split))
+
+    def answer_tokens(self, rows: list[int]) -> int:
+        """Regenerated answer tokens (after the prompt) of the sequences ``rows``."""
+        return sum(len(self.input_ids[i]) - self.prompt_len[i] for i in rows)
 
     def finish_reasons(self) -> dict[str, int]:
         out: dict[str, int] = {}
