@@ -59,22 +59,46 @@ def test_one_process_is_the_identity(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- the studies
-def _study(torchrun, root: Path, module: str, *overrides: str, nproc: int) -> dict:
-    args = ["-m", module, "--preset", "smoke", "--no-progress", *overrides]
-    if nproc == 1:
-        import subprocess
+# Each study with small overrides. The three run in one process (and in one torchrun launch of two), so
+# python, torch and the target are loaded once per rank instead of once per study and rank.
+STUDIES = {
+    "resolution": ["eval.resolution_prompts=2", "eval.resolution_batch_size=2", "eval.max_new_tokens=8"],
+    "table1": ["eval.max_new_tokens=8", "eval.sampling_seeds=[0]"],
+    "batched": ["eval.batch_sizes=[1,2]", "eval.batched_prompts=4", "eval.batched_max_new_tokens=6"],
+}
+DRIVER = f"""
+import importlib, sys
+from xpress import distributed
+leave = distributed.shutdown
+distributed.shutdown = lambda: None  # one process group for the three studies, left at the end
+codes = [importlib.import_module("xpress.studies." + name).main(["--preset", "smoke", "--no-progress", *over])
+         for name, over in {STUDIES!r}.items()]
+leave()
+sys.exit(max(codes))
+"""
 
-        from xpress import paths
 
-        proc = subprocess.run([PY, *args], capture_output=True, text=True, cwd=paths.REPO_ROOT, env=_env(root),
-                              timeout=600)
-    else:
-        proc = torchrun(*args, env=_env(root), nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    name = module.rsplit(".", 1)[1]
-    folder = root / "results" / "smoke"
-    assert sorted(p.name for p in folder.iterdir()) == [f"{name}.csv", f"{name}.json"], "written once, no temporaries"
-    return json.loads((folder / f"{name}.json").read_text())
+@pytest.fixture(scope="module")
+def studies(tmp_path_factory, torchrun) -> dict[str, tuple[dict, dict]]:
+    """{study: (its result from one process, from two processes under torchrun)}."""
+    import subprocess
+
+    from xpress import paths
+
+    out: dict[int, dict] = {}
+    for nproc in (1, 2):
+        root = tmp_path_factory.mktemp(f"nproc{nproc}")
+        if nproc == 1:
+            proc = subprocess.run([PY, "-c", DRIVER], capture_output=True, text=True, cwd=paths.REPO_ROOT,
+                                  env=_env(root), timeout=600)
+        else:
+            proc = torchrun("--no-python", PY, "-c", DRIVER, env=_env(root), nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        folder = root / "results" / "smoke"
+        assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.{e}" for n in STUDIES for e in ("csv", "json")), \
+            "each written once, no temporaries"
+        out[nproc] = {n: json.loads((folder / f"{n}.json").read_text()) for n in STUDIES}
+    return {n: (out[1][n], out[2][n]) for n in STUDIES}
 
 
 TIMED = ("seconds", "prefill_s", "forward_s", "draft_s", "refine_s", "verify_s", "bookkeeping_s")
@@ -84,10 +108,8 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMED} for r in rows]
 
 
-def test_resolution_two_processes_equal_one(tmp_path, torchrun):
-    over = ["eval.resolution_prompts=2", "eval.resolution_batch_size=2", "eval.max_new_tokens=8"]
-    one = _study(torchrun, tmp_path / "one", "xpress.studies.resolution", *over, nproc=1)
-    two = _study(torchrun, tmp_path / "two", "xpress.studies.resolution", *over, nproc=2)
+def test_resolution_two_processes_equal_one(studies):
+    one, two = studies["resolution"]
     assert len(one["rows"]) >= 8 and len({(r["bench"], r["id"]) for r in one["rows"]}) >= 4  # >= 2 batches
     for k in ("rows", "taus", "table", "prompts_needed", "methods", "batch_size", "temperatures"):
         assert two[k] == one[k], k
@@ -95,10 +117,8 @@ def test_resolution_two_processes_equal_one(tmp_path, torchrun):
     assert two["provenance"]["world_size"] == 2 and two["provenance"]["devices"] == ["cpu", "cpu"]
 
 
-def test_table1_taus_two_processes_equal_one(tmp_path, torchrun):
-    over = ["eval.max_new_tokens=8", "eval.sampling_seeds=[0]"]
-    one = _study(torchrun, tmp_path / "one", "xpress.studies.table1", *over, nproc=1)
-    two = _study(torchrun, tmp_path / "two", "xpress.studies.table1", *over, nproc=2)
+def test_table1_taus_two_processes_equal_one(studies):
+    one, two = studies["table1"]
     assert len({(r["bench"], r["id"]) for r in one["rows"]}) >= 2, "too few prompts to split"
     assert _untimed(two["rows"]) == _untimed(one["rows"])  # accepted lengths: tokens, steps, lossless, per prompt
     cells = lambda res: [{k: r[k] for k in ("temperature", "method", "bench", "tau", "tau_sd", "prompts", "lossless")}
@@ -109,10 +129,8 @@ def test_table1_taus_two_processes_equal_one(tmp_path, torchrun):
     assert two["provenance"]["world_size"] == 2 and two["provenance"]["devices"] == ["cpu", "cpu"]
 
 
-def test_batched_counts_two_processes_equal_one(tmp_path, torchrun):
-    over = ["eval.batch_sizes=[1,2]", "eval.batched_prompts=4", "eval.batched_max_new_tokens=6"]
-    one = _study(torchrun, tmp_path / "one", "xpress.studies.batched", *over, nproc=1)
-    two = _study(torchrun, tmp_path / "two", "xpress.studies.batched", *over, nproc=2)
+def test_batched_counts_two_processes_equal_one(studies):
+    one, two = studies["batched"]
     assert len(one["runs"]) == (4 + 2) * len(one["methods"])  # calls at batch 1 and 2: split over the ranks
     assert _untimed(two["runs"]) == _untimed(one["runs"])  # tokens, steps and same_as_ar_b1 per call
     counts = lambda res: [{k: r[k] for k in ("batch_size", "method", "sequences", "tokens", "steps", "tau",

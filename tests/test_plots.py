@@ -150,6 +150,12 @@ def test_report_shows_table1_batched_and_break_even(results):
                                       for t in (0.0, 1.0) for b in ("a", "avg")]})
     text = results_markdown("p", results)
     assert "**tau on more prompts**" in text and "| 1 | dflash | 1.100 [1.060, 1.140] * |" in text
+    assert "Table 1's have" not in text  # the study's file does not say its block size: no claim
+    res = json.loads((results / "resolution.json").read_text())
+    write(results, "table1", {**t1, "block_size": 4})
+    for b in (4, 16):  # the study at Table 1's block size, then at another
+        write(results, "resolution", {**res, "block_size": b})
+        assert ("drafters with block size 16, Table 1's have 4" in results_markdown("p", results)) == (b == 16)
 
 
 def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_are_missing(results):

@@ -61,6 +61,26 @@ def test_partial_run_record_merges(tmp_path, monkeypatch):
     assert not run["partial"] and run["notebook_seconds"] == {"02_refiner_and_theorems": 1.0}
 
 
+def test_a_failed_run_records_the_notebooks_that_finished(tmp_path, monkeypatch):
+    import json
+
+    import papermill as pm
+
+    from xpress import paths, pipeline
+
+    monkeypatch.setattr(paths, "RESULTS", tmp_path)
+
+    def execute(src, out, **kw):  # the first notebook runs, the second fails
+        if "01_" in src:
+            raise pm.PapermillExecutionError(3, 3, "source", "ValueError", "bad", [])
+
+    monkeypatch.setattr(pm, "execute_notebook", execute)
+    with pytest.raises(pipeline.NotebookFailed, match="01_data_regeneration.ipynb failed in cell 3"):
+        pipeline.run_notebooks("smoke", only=["00_", "01_"])
+    run = json.loads((tmp_path / "smoke" / "run.json").read_text())
+    assert run["partial"] and list(run["notebook_seconds"]) == ["00_environment"]
+
+
 def test_readme_results_agree_with_files():
     """README.md's measured numbers are generated from results/<preset>/ (python -m xpress report)."""
     from xpress.report import README, render

@@ -66,7 +66,8 @@ def select(only: Sequence[str] = ()) -> list[Path]:
 def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str] = (),
                   kernel: str = KERNEL) -> list[Path]:
     """Execute the notebooks (all, or those whose name contains one of ``only``) on ``preset``, stopping
-    at the first failure (:class:`NotebookFailed`), and write ``results/<preset>/run.json``."""
+    at the first failure (:class:`NotebookFailed`), and write ``results/<preset>/run.json`` (after a
+    failure, as a partial record of the notebooks that finished)."""
     import papermill as pm
 
     from .utils import provenance
@@ -80,12 +81,13 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
     t_all = time.perf_counter()
     for nb in books:
         out = out_dir / nb.name
-        print(f"[xpress] running {nb.name} on preset {preset} -> {out.relative_to(paths.REPO_ROOT)}", flush=True)
+        print(f"[xpress] running {nb.name} on preset {preset} -> {out.relative_to(paths.REPO_ROOT) if out.is_relative_to(paths.REPO_ROOT) else out}", flush=True)
         t0 = time.perf_counter()
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name=kernel,
                                 cwd=str(paths.NOTEBOOKS), progress_bar=True)
         except pm.PapermillExecutionError as e:
+            write_run_record(preset, overrides, times, None)  # the notebooks that finished keep their record
             raise NotebookFailed(f"{nb.name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); the executed "
                                  f"copy with the traceback is {out}") from None
         seconds = round(time.perf_counter() - t0, 1)

@@ -227,9 +227,10 @@ def _gpu_section(folder: Path) -> list[str]:
     return out + [""]
 
 
-def _resolution_section(res: dict) -> list[str]:
+def _resolution_section(res: dict, t1: dict | None = None) -> list[str]:
     """tau ratios on many prompts (``resolution.json``): per temperature and baseline, the average and
-    per-benchmark intervals, and which are resolved at ``rel``."""
+    per-benchmark intervals, and which are resolved at ``rel``; a note when its block size is not Table 1's
+    (``t1``): the study then scored drafters of an earlier preset."""
     benches = list(res["benchmarks"]) + ["avg"]
     cells = {(r["temperature"], r["baseline"], r["bench"]): r for r in res["table"]}
     out = [f"**tau on more prompts** (`resolution.json`, `python -m xpress.studies.resolution --preset {res['preset']}` "
@@ -246,6 +247,9 @@ def _resolution_section(res: dict) -> list[str]:
             out.append(f"| {t:g} | {base} | " + " | ".join(
                 "-" if c is None else f"{c['tau_ratio']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]{' *' if c['resolved'] else ''}"
                 for c in row) + " |")
+    if t1 and res.get("block_size") and t1.get("block_size") and res["block_size"] != t1["block_size"]:
+        out += ["", f"These ratios are of drafters with block size {res['block_size']}, Table 1's have "
+                    f"{t1['block_size']}: the study ran at another setting; `make studies` runs it at the preset's."]
     return out + [""]
 
 
@@ -284,7 +288,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
         out += _table1_section(t1)
     res = _load(folder, "resolution.json")
     if res:
-        out += _resolution_section(res)
+        out += _resolution_section(res, t1)
     ceiling = _load(folder, "oracle_ceiling.json")
     out += _break_even_section(folder, t1, ceiling)
     out += _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling)
