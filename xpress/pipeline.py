@@ -81,7 +81,8 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
     t_all = time.perf_counter()
     for nb in books:
         out = out_dir / nb.name
-        print(f"[xpress] running {nb.name} on preset {preset} -> {out.relative_to(paths.REPO_ROOT) if out.is_relative_to(paths.REPO_ROOT) else out}", flush=True)
+        shown = out.relative_to(paths.REPO_ROOT) if out.is_relative_to(paths.REPO_ROOT) else out
+        print(f"[xpress] running {nb.name} on preset {preset} -> {shown}", flush=True)
         t0 = time.perf_counter()
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name=kernel,

@@ -313,7 +313,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     if ceiling:
         out += [f"Oracle drafter ceiling (`oracle_ceiling.json`, `python -m xpress bench oracle-ceiling --preset {preset}`): "
                 f"AR {ceiling['ar_tokens_per_s']:.1f} tokens/s, oracle {ceiling['oracle_tokens_per_s']:.1f} tokens/s, "
-                f"speedup {_num(ceiling.get('speedup'))}x at tau {ceiling['tau']:.1f}; a {ceiling['block_size']}-token verify "
+                f"speedup {_num(ceiling.get('speedup'))}x at tau {ceiling['tau']:.1f}; a verify of {ceiling['block_size']} tokens "
                 f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step ({_where(ceiling['provenance'], dtype=False)}).", ""]
     run = _load(folder, "run.json")
     if run:
