@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
-#   make reproduce   set up .venv, run every notebook and the oracle ceiling on the embedded default (PRESET=cpu)
+#   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (the long studies kept out of reproduce: the resolution study), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the resolution study), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -25,16 +25,17 @@ setup: $(STAMP)
 
 reproduce: setup
 	$(BIN)/python -m xpress run --preset $(PRESET)
-	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	@echo "files under results/ that now differ from git (M: rewritten, ??: new):"
 	@git status --short -- results/ 2>/dev/null || echo "(no git here: cannot list them)"
 
-# The levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
+# The oracle ceiling (AR vs a perfect drafter, and AR vs transformers' generate(); ~15 min on 2 AVX2 cores), then
+# the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup.
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
 	train.anchors_per_seq=32 train.tv_weight=0
 studies: setup
+	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.levers --preset $(PRESET) --steps $(LEVER_STEPS) $(LEVERS)
 	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 

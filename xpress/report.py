@@ -345,8 +345,7 @@ def durations_markdown(preset: str, folder: Path | None = None) -> str:
     where = _where(run["provenance"])
     if run.get("total_seconds") is not None:
         head = (f"`make reproduce` on the {preset} preset took **{run['total_seconds'] / 60:.0f} min** for the notebooks "
-                f"({where}; `run.json`), plus two steps `run.json` does not time: the set-up of `.venv` on a fresh "
-                f"machine and the oracle ceiling after the notebooks:")
+                f"({where}; `run.json`), plus the set-up of `.venv` on a fresh machine, which `run.json` does not time:")
     else:
         revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
         head = (f"No single `make reproduce` on the {preset} preset is recorded: each notebook's last run "
