@@ -28,7 +28,7 @@ reproduce: setup
 	@echo "files under results/ that now differ from git (M: rewritten, ??: new):"
 	@git status --short -- results/ 2>/dev/null || echo "(no git here: cannot list them)"
 
-# The oracle ceiling (AR vs a perfect drafter, and AR vs transformers' generate(); ~15 min on 2 AVX2 cores), then
+# The oracle ceiling (AR vs a perfect drafter at B = 16, and AR vs transformers' generate()), then
 # the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup.
 LEVER_STEPS ?= 2800

@@ -158,6 +158,34 @@ def test_report_shows_table1_batched_and_break_even(results):
         assert ("drafters with block size 16, Table 1's have 4" in results_markdown("p", results)) == (b == 16)
 
 
+def test_report_says_which_run_wrote_the_files_and_names_every_file_from_another_revision(results):
+    """The results section opens with the run that wrote the notebooks' files (run.json): a notebook file from
+    another revision or a dirty tree is named, a study file (make studies) is listed with its own revision."""
+    from xpress.report import results_markdown
+
+    def prov(rev, dirty=False):
+        return {"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": rev, "git_dirty": dirty,
+                "date": "2026-12-02"}
+
+    run = {"notebook_seconds": {"00_environment": 60.0}, "notebooks": [{"seconds": 60.0, "git_revision": "aaaaaaa1"}],
+           "total_seconds": 6000.0, "provenance": prov("aaaaaaa1")}
+    write(results, "run", run)
+    write(results, "decoding_t0", {"provenance": prov("aaaaaaa1")})
+    write(results, "levers", {"rows": [], "provenance": prov("ccccccc3")})
+    text = results_markdown("p", results)
+    assert "One `make reproduce`" in text and "100 min of notebooks" in text and "git aaaaaaa, 2026-12-02" in text
+    assert "Every notebook file is from that revision, with a clean tree." in text
+    assert "`levers.json` (cpu, 2 torch threads; git ccccccc, 2026-12-02)" in text
+    write(results, "refiner_cost", {"provenance": prov("bbbbbbb2")})
+    write(results, "probe", {"provenance": prov("aaaaaaa1", dirty=True)})
+    text = results_markdown("p", results)
+    assert "another revision or a dirty tree: `probe.json` (git aaaaaaa, dirty), `refiner_cost.json` (git bbbbbbb)." in text
+    write(results, "run", {**run, "total_seconds": None, "notebooks": [{"seconds": 1.0, "git_revision": "aaaaaaa1"},
+                                                                       {"seconds": 2.0, "git_revision": "bbbbbbb2"}]})
+    assert "No single `make reproduce` wrote the notebooks' files: their last runs are at git aaaaaaa, bbbbbbb" in \
+        results_markdown("p", results)
+
+
 def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_are_missing(results):
     from xpress.report import results_markdown
 

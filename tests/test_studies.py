@@ -1,5 +1,7 @@
 """The measurement path shared by the studies, the pipeline's notebook selection and order, and the README
 section generated from the result files."""
+import json
+
 import pytest
 
 from xpress.config import ConfigError
@@ -120,9 +122,11 @@ def test_a_smoke_run_writes_only_under_its_preset(tmp_path):
     code = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt;"
             "from xpress.plots import save_fig; save_fig(plt.figure(), 'probe', 'smoke');"
             "from xpress.__main__ import main; raise SystemExit(main(['bench', 'oracle-ceiling', '--preset', 'smoke',"
-            "'--n-prompts', '1', '--max-new-tokens', '4', '--repeats', '1', '--no-progress']))")
+            "'--n-prompts', '1', '--max-new-tokens', '4', '--repeats', '1', '--block-size', '4', '--no-progress']))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
     assert written and all(p.parts[0] == "smoke" for p in written), written
     assert {"smoke/oracle_ceiling.json", "smoke/figures/probe.png"} <= {p.as_posix() for p in written}
+    ceiling = json.loads((tmp_path / "smoke" / "oracle_ceiling.json").read_text())
+    assert (ceiling["block_size"], ceiling["preset_block_size"]) == (4, 8)  # --block-size, not the preset's B

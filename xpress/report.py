@@ -142,8 +142,9 @@ def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> 
     """The tau at which speculative decoding breaks even on this machine, next to the measured tau."""
     out = []
     if ceiling:
-        out.append(f"- verify cost / 1-token step = {ceiling['verify_cost']['loop_ratio']:.2f} "
-                   f"(`oracle_ceiling.json`, timed forwards): the break-even tau of a drafter that costs nothing.")
+        out.append(f"- verify of {ceiling['block_size']} tokens / 1-token step = {ceiling['verify_cost']['loop_ratio']:.2f} "
+                   f"(`oracle_ceiling.json`, timed forwards): the break-even tau of a drafter that costs nothing "
+                   f"at that block size.")
     if t1:
         for c in t1.get("stage_costs", []):
             if c["temperature"] == 0:
@@ -278,11 +279,50 @@ def _batched_section(b: dict) -> list[str]:
     return out + [""]
 
 
+# Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
+STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json")
+
+
+def _origin_section(preset: str, folder: Path) -> list[str]:
+    """Where the files come from: the ``make reproduce`` that wrote ``run.json`` (revision, machine, minutes),
+    every notebook file whose provenance names another revision (so a mixed set cannot pass for one run),
+    and each study file with its own revision."""
+    provs: dict[str, dict] = {}
+    for f in sorted(folder.glob("*.json")):
+        data = json.loads(f.read_text())
+        prov = data.get("provenance") if isinstance(data, dict) else None
+        if isinstance(prov, dict) and f.name != "run.json":
+            provs[f.name] = prov
+    run = _load(folder, "run.json")
+    out: list[str] = []
+    if run:
+        rp = run["provenance"]
+        rev = rp.get("git_revision")
+        if run.get("total_seconds") is not None:
+            out.append(f"**Where these numbers come from.** One `make reproduce` (`python -m xpress run --preset {preset}`, "
+                       f"{run['total_seconds'] / 60:.0f} min of notebooks; `run.json`) on {_where(rp)} wrote the "
+                       f"notebooks' files.")
+        else:
+            revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
+            out.append(f"**Where these numbers come from.** No single `make reproduce` wrote the notebooks' files: "
+                       f"their last runs are at git {', '.join(revs)} (`run.json`).")
+        others = [f"`{n}` (git {(p.get('git_revision') or '?')[:7]}{', dirty' if p.get('git_dirty') else ''})"
+                  for n, p in provs.items() if n not in STUDY_FILES and (p.get("git_revision") != rev or p.get("git_dirty"))]
+        if run.get("total_seconds") is not None:
+            out.append(f"Notebook files from another revision or a dirty tree: {', '.join(others)}." if others
+                       else "Every notebook file is from that revision, with a clean tree.")
+    studies = [f"`{n}` ({_where(provs[n])})" for n in STUDY_FILES if n in provs]
+    if studies:
+        out.append("Studies outside `make reproduce` (`make studies` or their own command), each at its own revision: "
+                   + "; ".join(studies) + ".")
+    return [" ".join(out), ""] if out else []
+
+
 def results_markdown(preset: str, folder: Path | None = None) -> str:
     """The README section for ``preset`` from the repository's ``results/<preset>/`` (what exists of it;
     the README describes the committed results, whatever ``$XPRESS_RESULTS`` says)."""
     folder = folder or paths.REPO_ROOT / "results" / preset
-    out: list[str] = []
+    out: list[str] = _origin_section(preset, folder)
     t1 = _load(folder, "table1.json")
     if t1:
         out += _table1_section(t1)
