@@ -9,9 +9,9 @@ are computed before the timed runs, so its drafting is ~free), interleaved per p
 perfect drafter would give this target on this machine, with tau = B, as the median over repeats with
 its spread. B is :data:`CEILING_BLOCK` (16, the paper's block size) unless ``--block-size`` says otherwise:
 the ceiling is a property of the target and the machine, not of the block size a preset trains (the cpu
-preset's drafters use 8, whose ceiling cannot pass 8x; Table 1's stage costs give its own verify cost). It also measures the cost of one B-token verify forward relative to a 1-token decoding
-step, the ratio that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged, not
-reported.
+preset's drafters use 8, whose ceiling cannot pass 8x; Table 1's stage costs give its own verify cost).
+It also measures the cost of one B-token verify forward relative to a 1-token decoding step, the ratio
+that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged, not reported.
 """
 from __future__ import annotations
 

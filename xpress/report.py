@@ -299,15 +299,17 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
         rp = run["provenance"]
         rev = rp.get("git_revision")
         if run.get("total_seconds") is not None:
-            out.append(f"**Where these numbers come from.** One `make reproduce` (`python -m xpress run --preset {preset}`, "
-                       f"{run['total_seconds'] / 60:.0f} min of notebooks; `run.json`) on {_where(rp)} wrote the "
-                       f"notebooks' files.")
+            out.append(f"**Where these numbers come from.** One `make reproduce` (`python -m xpress run --preset "
+                       f"{preset}`, {run['total_seconds'] / 60:.0f} min of notebooks; `run.json`) on {_where(rp)} "
+                       f"wrote the notebooks' files.")
         else:
-            revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
+            revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", [])
+                           if r.get("seconds") is not None})
             out.append(f"**Where these numbers come from.** No single `make reproduce` wrote the notebooks' files: "
                        f"their last runs are at git {', '.join(revs)} (`run.json`).")
         others = [f"`{n}` (git {(p.get('git_revision') or '?')[:7]}{', dirty' if p.get('git_dirty') else ''})"
-                  for n, p in provs.items() if n not in STUDY_FILES and (p.get("git_revision") != rev or p.get("git_dirty"))]
+                  for n, p in provs.items()
+                  if n not in STUDY_FILES and (p.get("git_revision") != rev or p.get("git_dirty"))]
         if run.get("total_seconds") is not None:
             out.append(f"Notebook files from another revision or a dirty tree: {', '.join(others)}." if others
                        else "Every notebook file is from that revision, with a clean tree.")
