@@ -111,6 +111,14 @@ def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):
     assert "No single `make reproduce`" in text and "abc1234"[:7] in text and "def5678" in text
 
 
+def test_an_oracle_block_below_two_is_refused_in_one_line_before_any_target_loads(capsys):
+    from xpress.__main__ import main
+
+    assert main(["bench", "oracle-ceiling", "--preset", "smoke", "--block-size", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--block-size 1" in err and "use 2 or more" in err
+
+
 def test_a_smoke_run_writes_only_under_its_preset(tmp_path):
     """Results and figures are kept per preset: a smoke run (as `make test` makes one) writes under
     <results>/smoke/ and nowhere else, so the committed results/cpu/ cannot be touched by it."""

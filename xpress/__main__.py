@@ -207,13 +207,13 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .bench import DecodeInputError, run
     from .data import DataError
     from .targets import TargetError
 
     try:
         return run(args)
-    except (TargetError, DataError) as e:
+    except (TargetError, DataError, DecodeInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

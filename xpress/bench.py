@@ -533,12 +533,13 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 
     load_start, others_start = load_average(), other_cpu_use()
     cfg = load_config(preset, list(overrides))
+    B = int(block_size or cfg.drafter.block_size)
+    if B < 2:
+        raise DecodeInputError(f"--block-size {B}: the oracle drafts B - 1 tokens a round; use 2 or more "
+                               "(16, the default, is the paper's; 0 takes the preset's)")
     seed_everything(cfg.seed)
     target = load_target(cfg)
     choice = dict(target.meta)  # the runtime and dtype chosen (a later load replaces the provenance record)
-    B = int(block_size or cfg.drafter.block_size)
-    if B < 2:
-        raise ValueError(f"block_size={B}: the oracle drafts B - 1 tokens a round; use 2 or more (16: the paper's)")
     prompts = _benchmark_prompts(target, benchmarks, n_prompts)
     ids = [p for _, p in prompts]
     oracle = OracleDrafter(target, B)
