@@ -595,8 +595,8 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "n_prompts": len(ids),
         "prompt_ids": [pid for pid, _ in prompts], "max_new_tokens": max_new_tokens, "repeats": repeats,
         "order": f"interleaved per prompt: {', '.join(runners)}, ... (each repeat)",
-        "runtime": {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting", "runtime_setting",
-                                               "row_invariance", "cpu_features")},
+        "runtime": {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting", "runtime_setting", "kernels",
+                                               "kernels_reason", "row_invariance", "cpu_features")},
         "ar_tokens_per_s": spreads["ar_tokens_per_s"]["median"],
         "oracle_tokens_per_s": spreads["oracle_tokens_per_s"]["median"],
         "speedup": None if flag else measured,
@@ -632,7 +632,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
             "verify_cost_old": verify_cost_ratio(old, context, B, repeats=verify_repeats),
         }
         result["provenance"]["target_runtime"] = {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting",
-                                                                             "runtime_setting")}
+                                                                             "runtime_setting", "kernels")}
     write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "oracle_ceiling", result, rows)
     return result
 

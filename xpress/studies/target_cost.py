@@ -12,6 +12,9 @@ forward's own shapes and weights:
 - ``lm head``: the final norm and the readout of the kept positions (1 for a step, n for a verify);
 - ``other``: the whole forward minus those (norms, RoPE, residual adds, casts, Python).
 
+Where the fused C++ kernels build (:mod:`xpress.kernels`), the float32 lean forward with each layer one
+C++ call is timed too (runtime ``lean-fused``; ``forward`` only, its layer is one call that cannot be split).
+
 Everything is timed in one process with interleaved sweeps (:func:`xpress.timing.time_calls`). The
 ratio ``forward(n) / forward(1)`` at a context is the break-even tau of an n-token verify with free
 drafting: a speculative round must commit that many tokens to match autoregressive decoding.
@@ -155,6 +158,15 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
                 for comp, fn in lean_calls(lean, L, n).items():
                     name = f"lean {dt} L={L} n={n} {comp}"
                     fns[name], keys[name] = fn, ("lean", dt, L, n, comp)
+    from ..kernels import fused_cpu
+
+    fused = fused_cpu() if "float32" in dtypes else None
+    if fused is not None:
+        lean = LeanModel(target.model, torch.float32, kernels=fused)
+        for L in contexts:
+            for n in new_tokens:
+                name = f"lean-fused float32 L={L} n={n} forward"
+                fns[name], keys[name] = lean_calls(lean, L, n)["forward"], ("lean-fused", "float32", L, n, "forward")
     if old_path:
         for L in contexts:
             for n in new_tokens:

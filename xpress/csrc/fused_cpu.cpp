@@ -1,0 +1,303 @@
+// A Llama decoder layer for one sequence on an x86 CPU with AVX2 and FMA, in float32, in one call.
+//
+// Built and loaded by xpress/kernels.py (torch.utils.cpp_extension); used by xpress/runtime.py where
+// `target.runtime` resolves to "fused". Why: at batch 1 on two cores, a Python decoder layer issues
+// about sixty small operations, whose dispatch costs as much as the layer's arithmetic; here a layer is
+// one call.
+//
+// Exactness by construction: every quantity a row produces is computed by the same sequence of float
+// operations whatever the number of rows n in the call (a one-token step, a 16-token verify, a prefill
+// chunk), so a verify reproduces the steps bit for bit:
+// - linear(): each output element is acc = fma(x[m][k], w[k][j], acc) for k = 0..K-1 in order, from 0;
+//   the row blocking only decides how many rows share a weight load;
+// - rms norm, RoPE, SiLU: per row, in a fixed order;
+// - attention: query row i (absolute position L + i) reads cache columns 0..L+i only; the score, the
+//   softmax maximum, the denominator and the value sum run over those columns in order; exp is a
+//   polynomial evaluated the same way in every lane (exp8).
+// Compiled with -ffp-contract=off so that the compiler fuses nothing the source does not.
+//
+// Shapes: n rows (tokens), H hidden, I intermediate, nh / nkv query / key-value heads of width hd,
+// g = nh / nkv; weights packed by pack(): [N / 16, K, 16] for a [N, K] nn.Linear weight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// ------------------------------------------------------------------------------------------ linear
+// MR rows x NP panels of 16 output columns; w points at the first panel, panels K * 16 floats apart.
+template <int MR, int NP>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
+  const int64_t ps = K * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0[NP], w1[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      w0[p] = _mm256_loadu_ps(w + p * ps + k * 16);
+      w1[p] = _mm256_loadu_ps(w + p * ps + k * 16 + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        acc[m][p][0] = _mm256_fmadd_ps(xb, w0[p], acc[m][p][0]);
+        acc[m][p][1] = _mm256_fmadd_ps(xb, w1[p], acc[m][p][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(out + m * ldo + p * 16, acc[m][p][0]);
+      _mm256_storeu_ps(out + m * ldo + p * 16 + 8, acc[m][p][1]);
+    }
+}
+
+template <int MR, int NP>
+void panels(const float* x, int64_t K, const float* W, int64_t p0, int64_t p1, float* o, int64_t N) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) micro<MR, NP>(x, K, W + p * K * 16, K, o + p * 16, N);
+  for (; p < p1; ++p) micro<MR, 1>(x, K, W + p * K * 16, K, o + p * 16, N);
+}
+
+constexpr int64_t PANELS_PER_TASK = 4;  // 64 output columns: what one row's kernel covers (micro<1, 4>)
+
+// out[M, N] = x[M, K] @ W.T for W packed [N / 16, K, 16]; threads split the output columns.
+void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* o) {
+  const int64_t P = N / 16;
+  at::parallel_for(0, (P + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * PANELS_PER_TASK, p1 = std::min(P, p0 + PANELS_PER_TASK);
+      for (int64_t m = 0; m < M; m += 6) {  // the panels stay in cache while every row block passes
+        const float* xm = x + m * K;
+        float* om = o + m * N;
+        switch (std::min<int64_t>(6, M - m)) {
+          case 6: panels<6, 1>(xm, K, W, p0, p1, om, N); break;
+          case 5: panels<5, 1>(xm, K, W, p0, p1, om, N); break;
+          case 4: panels<4, 1>(xm, K, W, p0, p1, om, N); break;
+          case 3: panels<3, 2>(xm, K, W, p0, p1, om, N); break;
+          case 2: panels<2, 3>(xm, K, W, p0, p1, om, N); break;
+          default: panels<1, 4>(xm, K, W, p0, p1, om, N); break;
+        }
+      }
+    }
+  });
+}
+
+// -------------------------------------------------------------------------------------- row helpers
+inline float hsum(__m256 v) {  // a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w for one row of H (a multiple of 8)
+inline void rms_row(const float* x, const float* w, float* y, int64_t H, float eps) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t j = 0; j < H; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    a = _mm256_fmadd_ps(v, v, a);
+  }
+  const float r = 1.0f / std::sqrt(hsum(a) / static_cast<float>(H) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t j = 0; j < H; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), rv), _mm256_loadu_ps(w + j)));
+}
+
+// exp(x) on 8 lanes (Cephes' expf: x = k ln2 + r, a degree-6 polynomial in r, times 2^k); relative error
+// about 2e-7; exp(-inf) = 0. The same operations for every lane, so a lane's value does not depend on the others.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.0f));
+  __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// y[j] = exp(x[j]) for j < len, 8 at a time (the tail padded with -inf, whose exp is 0)
+inline void exp_row(const float* x, float* y, int64_t len) {
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) _mm256_storeu_ps(y + j, exp8(_mm256_loadu_ps(x + j)));
+  if (j < len) {
+    float t[8];
+    for (int u = 0; u < 8; ++u) t[u] = j + u < len ? x[j + u] : -INFINITY;
+    _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+    for (int u = 0; j + u < len; ++u) y[j + u] = t[u];
+  }
+}
+
+void check(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), name,
+              ": a contiguous float32 CPU tensor is required");
+}
+
+}  // namespace
+
+// [N, K] -> [N / 16, K, 16]: each panel of 16 output columns contiguous over k
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0 && w.size(1) % 8 == 0, "pack: [N, K] with N % 16 == 0, K % 8 == 0");
+  const auto N = w.size(0), K = w.size(1);
+  return w.to(torch::kFloat32).contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] @ W.T -> [M, N], W packed by pack()
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp) {
+  check(x, "x");
+  check(wp, "w");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(1) == x.size(1) && wp.size(2) == 16, "linear: shapes");
+  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * 16;
+  auto out = torch::empty({M, N}, x.options());
+  linear_into(x.data_ptr<float>(), M, K, wp.data_ptr<float>(), N, out.data_ptr<float>());
+  return out;
+}
+
+// rows of x [M, H] normalised and scaled by w [H]
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check(x, "x");
+  check(w, "w");
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && w.numel() == H && H % 8 == 0, "rms_norm: shapes");
+  auto y = torch::empty_like(x);
+  for (int64_t m = 0; m < M; ++m)
+    rms_row(x.data_ptr<float>() + m * H, w.data_ptr<float>(), y.data_ptr<float>() + m * H, H, static_cast<float>(eps));
+  return y;
+}
+
+// One decoder layer on the residual stream h [n, H] (returned updated, a new tensor); writes the n new keys
+// and values into columns L..L+n-1 of keys / values [nkv, cap, hd]. rot [n, hd / 2, 2] holds (cos, sin) of
+// each row's position, the q / k weight rows reordered so that each rotated pair is adjacent.
+torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
+                    const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
+                    const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
+                    int64_t L, int64_t nh, int64_t nkv, double eps) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &rot, &keys, &values})
+    check(*t, "layer input");
+  const int64_t n = h_in.size(0), H = h_in.size(1), hd = keys.size(2), cap = keys.size(1);
+  const int64_t g = nh / nkv, Q = (nh + 2 * nkv) * hd, I = wd.size(1);
+  TORCH_CHECK(L + n <= cap && keys.size(0) == nkv && hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && wgu.size(0) * 16 == 2 * I,
+              "layer: shapes");
+  const float fe = static_cast<float>(eps);
+  auto h = h_in.clone();
+  float* hp = h.data_ptr<float>();
+  std::vector<float> x(static_cast<size_t>(n * std::max(H, I))), qkv(static_cast<size_t>(n * Q));
+  std::vector<float> att(static_cast<size_t>(n * nh * hd)), big(static_cast<size_t>(n * 2 * I));
+  // attention block
+  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln1.data_ptr<float>(), x.data() + i * H, H, fe);
+  linear_into(x.data(), n, H, wqkv.data_ptr<float>(), Q, qkv.data());
+  const float* rp = rot.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = qkv.data() + i * Q;
+    const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
+    for (int64_t head = 0; head < nh + nkv; ++head) {  // RoPE on q and k: (a + ib)(c + is)
+      float* v = row + head * hd;
+      for (int64_t j = 0; j < hd / 2; ++j) {
+        const float a = v[2 * j], b = v[2 * j + 1], c = r[2 * j], s = r[2 * j + 1];
+        v[2 * j] = a * c - b * s;
+        v[2 * j + 1] = a * s + b * c;
+      }
+    }
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      std::copy(row + (nh + kh) * hd, row + (nh + kh + 1) * hd, kp + (kh * cap + L + i) * hd);
+      std::copy(row + (nh + nkv + kh) * hd, row + (nh + nkv + kh + 1) * hd, vp + (kh * cap + L + i) * hd);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t D = hd / 8;
+  // one task per key-value head and block of rows: every key and value column is loaded once for all of
+  // the block's rows and their g query heads (the keys do not stay in cache between rows at long contexts)
+  const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
+  const int64_t blocks = (n + RB - 1) / RB;
+  at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB), R = (r1 - r0) * g;
+      const int64_t width = L + r1;  // columns the last row of the block sees
+      const float* kb = kp + kh * cap * hd;
+      const float* vb = vp + kh * cap * hd;
+      std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R, 0.0f);
+      for (int64_t c = 0; c < width; ++c) {  // scores: row (i, j) against column c, for the rows that see c
+        const float* kc = kb + c * hd;
+        for (int64_t i = std::max(r0, c - L); i < r1; ++i)
+          for (int64_t j = 0; j < g; ++j) {
+            const float* q = qkv.data() + i * Q + (kh * g + j) * hd;
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kc));
+            for (int64_t d = 1; d < D; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), _mm256_loadu_ps(kc + d * 8), a);
+            s[((i - r0) * g + j) * width + c] = hsum(a) * scale;
+          }
+      }
+      for (int64_t i = r0; i < r1; ++i)  // softmax numerators exp(s - max) and denominators, per row in order
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = (i - r0) * g + j, cols = L + i + 1;
+          float* sr = s.data() + r * width;
+          float top = -INFINITY;
+          for (int64_t c = 0; c < cols; ++c) top = std::max(top, sr[c]);
+          for (int64_t c = 0; c < cols; ++c) sr[c] -= top;
+          exp_row(sr, sr, cols);
+          for (int64_t c = 0; c < cols; ++c) den[r] += sr[c];
+        }
+      for (int64_t c = 0; c < width; ++c) {  // value sums: num[r] += p[r][c] * v[c], column by column
+        __m256 v[32];
+        for (int64_t d = 0; d < D; ++d) v[d] = _mm256_loadu_ps(vb + c * hd + d * 8);
+        for (int64_t i = std::max(r0, c - L); i < r1; ++i)
+          for (int64_t j = 0; j < g; ++j) {
+            const int64_t r = (i - r0) * g + j;
+            const __m256 p = _mm256_set1_ps(s[r * width + c]);
+            float* nr = num.data() + r * hd;
+            for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(nr + d * 8, _mm256_fmadd_ps(p, v[d], _mm256_loadu_ps(nr + d * 8)));
+          }
+      }
+      for (int64_t i = r0; i < r1; ++i)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = (i - r0) * g + j;
+          const __m256 inv = _mm256_set1_ps(1.0f / den[r]);
+          float* o = att.data() + i * nh * hd + (kh * g + j) * hd;
+          for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num.data() + r * hd + d * 8), inv));
+        }
+    }
+  });
+  linear_into(att.data(), n, nh * hd, wo.data_ptr<float>(), H, x.data());
+  for (int64_t j = 0; j < n * H; ++j) hp[j] += x[j];
+  // MLP block
+  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln2.data_ptr<float>(), x.data() + i * H, H, fe);
+  linear_into(x.data(), n, H, wgu.data_ptr<float>(), 2 * I, big.data());
+  std::vector<float> en(static_cast<size_t>(I));
+  for (int64_t i = 0; i < n; ++i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
+    const float* gate = big.data() + i * 2 * I;
+    float* act = x.data() + i * I;
+    for (int64_t j = 0; j < I; ++j) act[j] = -gate[j];
+    exp_row(act, en.data(), I);
+    for (int64_t j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + en[j]) * gate[I + j];
+  }
+  std::vector<float> down(static_cast<size_t>(n * H));
+  linear_into(x.data(), n, I, wd.data_ptr<float>(), H, down.data());
+  for (int64_t j = 0; j < n * H; ++j) hp[j] += down[j];
+  return h;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "[N, K] float32 weight -> [N / 16, K, 16]");
+  m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack()");
+  m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
+  m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+}
