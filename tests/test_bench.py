@@ -239,6 +239,8 @@ def test_provenance_names_the_cpu_class():
     avx2 = {**bf16, "machine": {**bf16["machine"], "cpu_features": {**feats, "avx512f": False, "avx512_bf16": False}},
             "target_runtime": {"dtype": "float32"}}
     assert utils.cpu_class(avx2) == "AVX2 only, float32"
+    fused = {**avx2, "target_runtime": {"dtype": "float32", "kernels": "fused"}}
+    assert utils.cpu_class(fused) == "AVX2 only, float32, fused C++ layers"
     assert utils.cpu_class({"machine": {"cpu_model": "x"}}) == ""  # an older block: no claim
     old = {**bf16, "machine": {"cpu_model": "AMD EPYC", "torch_threads": 2}, "target_runtime": {}}
     assert report._where(old).startswith("AMD EPYC, 2 torch threads")

@@ -339,6 +339,8 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
         if tc.kernels == "fused":
             raise TargetError(f"target.kernels=fused: the C++ kernels are not available ({reason}); "
                               "set target.kernels=torch")
+        log.warning("the fused C++ layer is not available (%s): the target runs the PyTorch layer "
+                    "(target.kernels=torch; slower at batch 1, same results)", reason)
         return None, "torch", f"auto: {reason}"
     return module, "fused", reason
 

@@ -28,7 +28,14 @@
 namespace {
 
 // ------------------------------------------------------------------------------------------ linear
+#ifndef XP_PREFETCH
+#define XP_PREFETCH 1
+#endif
+
 // MR rows x NP panels of 16 output columns; w points at the first panel, panels K * 16 floats apart.
+// With XP_PREFETCH, kernels of one or two panels (three rows or more) fetch the next panels while computing
+// these: two streams from memory, not one (one sequential stream per core left a 4- or 8-row product
+// waiting on memory; the one-row kernel already reads four panels at once, and prefetching slowed it).
 template <int MR, int NP>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
   __m256 acc[MR][NP][2];
@@ -43,6 +50,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
     for (int p = 0; p < NP; ++p) {
       w0[p] = _mm256_loadu_ps(w + p * ps + k * 16);
       w1[p] = _mm256_loadu_ps(w + p * ps + k * 16 + 8);
+      if (XP_PREFETCH && NP <= 2) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + k * 16), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
