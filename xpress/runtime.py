@@ -284,8 +284,8 @@ class LeanModel:
         def w(t: torch.Tensor) -> Linear:
             return Linear(t.detach().to(dtype), packed=self.packed, row_block=self.row_block)
 
-        def fused(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:  # for the C++ kernels (kept beside Linear's
-            return tuple(kernels.pack(t.detach().float()) for t in ts) if kernels is not None else ()  # for batches)
+        def fused(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:  # the C++ kernels' packing (batches keep Linear's)
+            return tuple(kernels.pack(t.detach().float()) for t in ts) if kernels is not None else ()
 
         # RoPE pairs feature j with j + hd/2 in every head; the rows of wq and wk (and the q/k norms) are
         # reordered so that each pair is adjacent and RoPE becomes one complex product (:meth:`_block`).
