@@ -39,6 +39,57 @@ def test_linear_is_a_product_whose_rows_do_not_depend_on_how_many_are_computed(f
         assert torch.equal(fused.linear(x[:m], packed), one[:m]), m
 
 
+def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, nkv, eps):
+    """One Llama layer in float64 with the fused layer's conventions (rotated pairs adjacent, gate rows before
+    up rows); keys / values [nkv, L, hd] hold the cached columns. Returns the new residual stream."""
+    f = lambda t: t.double()
+    n, hd = h.shape[0], keys.shape[2]
+    rms = lambda x, w: x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * f(w)
+    qkv = rms(f(h), ln1) @ f(wqkv).T
+    heads = qkv.view(n, nh + 2 * nkv, hd // 2, 2)
+    c, s = f(rot)[:, None, :, 0], f(rot)[:, None, :, 1]
+    a, b = heads[..., 0], heads[..., 1]
+    rotated = torch.stack((a * c - b * s, a * s + b * c), -1).view(n, nh + 2 * nkv, hd)
+    q, k, v = rotated[:, :nh], rotated[:, nh:nh + nkv], heads.reshape(n, nh + 2 * nkv, hd)[:, nh + nkv:]
+    K = torch.cat((f(keys), k.transpose(0, 1)), 1)  # [nkv, L + n, hd]
+    V = torch.cat((f(values), v.transpose(0, 1)), 1)
+    g = nh // nkv
+    scores = torch.einsum("nhd,hcd->hnc", q, K.repeat_interleave(g, 0)) / hd ** 0.5
+    scores = scores.masked_fill(torch.arange(L + n)[None, None] > L + torch.arange(n)[None, :, None], float("-inf"))
+    att = torch.einsum("hnc,hcd->nhd", scores.softmax(-1), V.repeat_interleave(g, 0)).reshape(n, nh * hd)
+    h = f(h) + att @ f(wo).T
+    gate, up = (rms(h, ln2) @ f(wgu).T).chunk(2, -1)
+    return h + (torch.nn.functional.silu(gate) * up) @ f(wd).T
+
+
+@pytest.mark.parametrize("L", [0, 61, 130])
+def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, L):
+    """Head width 64 and 3 query heads per key-value head (SmolLM2-135M's; the smoke target has 16 and 2): 16
+    rows in one call equal 16 one-row calls bit for bit, output and cache, across the attention's 64-column
+    tiles; and the layer is a Llama layer (a float64 reference, float32 rounding only)."""
+    torch.manual_seed(L)
+    H, nh, nkv, hd, inter, n, cap, eps = 192, 9, 3, 64, 256, 16, 160, 1e-5
+    w = lambda *shape: torch.randn(shape) * shape[-1] ** -0.5
+    ln1, ln2 = 1 + 0.1 * torch.randn(H), 1 + 0.1 * torch.randn(H)
+    wqkv, wo, wgu, wd = w((nh + 2 * nkv) * hd, H), w(H, nh * hd), w(2 * inter, H), w(H, inter)
+    angle = torch.randn(n, hd // 2)
+    rot = torch.stack((angle.cos(), angle.sin()), -1).contiguous()
+    h = torch.randn(n, H)
+    cached = torch.randn(2, nkv, cap, hd)
+    packed = [fused.pack(t) for t in (wqkv, wo, wgu, wd)]
+
+    def call(rows, at, keys, values):
+        return fused.layer(h[rows], ln1, packed[0], packed[1], ln2, packed[2], packed[3], rot[rows].contiguous(),
+                           keys, values, at, nh, nkv, eps)
+    k_all, v_all = cached[0].clone(), cached[1].clone()
+    together = call(slice(0, n), L, k_all, v_all)
+    k_one, v_one = cached[0].clone(), cached[1].clone()
+    alone = torch.cat([call(slice(i, i + 1), L + i, k_one, v_one) for i in range(n)])
+    assert torch.equal(together, alone) and torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
+    ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps)
+    torch.testing.assert_close(together.double(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_layers_compute_the_torch_path_function(twins):
     """Logits and drafter features agree with the PyTorch lean path (float32 rounding only), in one forward
     and through the cache in pieces."""

@@ -11,9 +11,9 @@
 // - linear(): each output element is acc = fma(x[m][k], w[k][j], acc) for k = 0..K-1 in order, from 0;
 //   the row blocking only decides how many rows share a weight load;
 // - rms norm, RoPE, SiLU: per row, in a fixed order;
-// - attention: query row i (absolute position L + i) reads cache columns 0..L+i only; the score, the
-//   softmax maximum, the denominator and the value sum run over those columns in order; exp is a
-//   polynomial evaluated the same way in every lane (exp8).
+// - attention: query row i (absolute position L + i) reads cache columns 0..L+i only; the scores, the
+//   softmax maximum, the denominator (lane by lane, then hsum) and the value sum run over those columns
+//   in one fixed order; exp is a polynomial evaluated the same way in every lane (exp8).
 // Compiled with -ffp-contract=off so that the compiler fuses nothing the source does not.
 //
 // Shapes: n rows (tokens), H hidden, I intermediate, nh / nkv query / key-value heads of width hd,
@@ -154,6 +154,103 @@ inline void exp_row(const float* x, float* y, int64_t len) {
   }
 }
 
+// ------------------------------------------------------------------------------------------ attention
+// What a query row computes depends on that row alone: its scores, maximum, numerators, denominator and value
+// sums each run over its own columns 0..L+i in one fixed order, whichever rows share the call.
+constexpr int64_t COLS = 64;  // columns per tile: 64 keys of width 64 are 16 KB
+
+// s[c] = (q . k_c) * scale for c in [c0, c1): lane l sums q[8d + l] k_c[8d + l] over the chunks d in order,
+// then hsum. DC > 0: the head width is 8 * DC, and q stays in registers.
+template <int DC>
+inline void scores_fixed(const float* q, const float* kb, int64_t c0, int64_t c1, float scale, float* s) {
+  __m256 qv[DC];
+#pragma GCC unroll 16
+  for (int d = 0; d < DC; ++d) qv[d] = _mm256_loadu_ps(q + d * 8);
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* kc = kb + c * DC * 8;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kc));
+#pragma GCC unroll 16
+    for (int d = 1; d < DC; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kc + d * 8), a);
+    s[c] = hsum(a) * scale;
+  }
+}
+
+inline void scores(const float* q, const float* kb, int64_t hd, int64_t c0, int64_t c1, float scale, float* s) {
+  if (hd == 64) return scores_fixed<8>(q, kb, c0, c1, scale, s);
+  if (hd == 128) return scores_fixed<16>(q, kb, c0, c1, scale, s);
+  const int64_t D = hd / 8;  // the same operations, q read from memory
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* kc = kb + c * hd;
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kc));
+    for (int64_t d = 1; d < D; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), _mm256_loadu_ps(kc + d * 8), a);
+    s[c] = hsum(a) * scale;
+  }
+}
+
+// s[c] <- exp(s[c] - max_c s) for c < cols; returns their sum, accumulated lane by lane (c mod 8) in order
+// of c and then hsum (the padding of the last chunk is exp(-inf) = 0)
+inline float softmax_numerators(float* s, int64_t cols) {
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + c));
+  float top = -INFINITY;
+  alignas(32) float t[8];
+  _mm256_store_ps(t, top8);
+  for (int u = 0; u < 8; ++u) top = std::max(top, t[u]);
+  for (int64_t u = c; u < cols; ++u) top = std::max(top, s[u]);
+  const __m256 tv = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (c = 0; c + 8 <= cols; c += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), tv));
+    _mm256_storeu_ps(s + c, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (c < cols) {
+    for (int u = 0; u < 8; ++u) t[u] = c + u < cols ? s[c + u] - top : -INFINITY;
+    const __m256 e = exp8(_mm256_load_ps(t));
+    _mm256_store_ps(t, e);
+    for (int u = 0; c + u < cols; ++u) s[c + u] = t[u];
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum(sum);
+}
+
+// num[h][:] += p[h][c] * v_c[:] for c in [c0, c1) in order, for NR heads at once (p rows ldp apart, num rows
+// hd apart); the accumulators of four chunks of 8 per head stay in registers over the tile
+template <int NR>
+inline void value_sums(const float* p, int64_t ldp, const float* vb, int64_t hd, int64_t c0, int64_t c1, float* num) {
+  const int64_t D = hd / 8;
+  int64_t d0 = 0;
+  for (; d0 + 4 <= D; d0 += 4) {
+    __m256 acc[NR][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < NR; ++h)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[h][u] = _mm256_loadu_ps(num + h * hd + (d0 + u) * 8);
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* vc = vb + c * hd + d0 * 8;
+#pragma GCC unroll 4
+      for (int h = 0; h < NR; ++h) {
+        const __m256 pb = _mm256_broadcast_ss(p + h * ldp + c);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[h][u] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vc + u * 8), acc[h][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NR; ++h)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(num + h * hd + (d0 + u) * 8, acc[h][u]);
+  }
+  for (; d0 < D; ++d0) {  // widths that are not a multiple of 32
+    __m256 acc[NR];
+    for (int h = 0; h < NR; ++h) acc[h] = _mm256_loadu_ps(num + h * hd + d0 * 8);
+    for (int64_t c = c0; c < c1; ++c)
+      for (int h = 0; h < NR; ++h)
+        acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * ldp + c), _mm256_loadu_ps(vb + c * hd + d0 * 8), acc[h]);
+    for (int h = 0; h < NR; ++h) _mm256_storeu_ps(num + h * hd + d0 * 8, acc[h]);
+  }
+}
+
 void check(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), name,
               ": a contiguous float32 CPU tensor is required");
@@ -233,8 +330,8 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t D = hd / 8;
-  // one task per key-value head and block of rows: every key and value column is loaded once for all of
-  // the block's rows and their g query heads (the keys do not stay in cache between rows at long contexts)
+  // one task per key-value head and block of rows; each pass walks the columns in tiles of COLS, so that a
+  // tile of keys or values stays in L1 while every row of the block that sees it reads it
   const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
   const int64_t blocks = (n + RB - 1) / RB;
   at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
@@ -243,38 +340,30 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
       const int64_t width = L + r1;  // columns the last row of the block sees
       const float* kb = kp + kh * cap * hd;
       const float* vb = vp + kh * cap * hd;
-      std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R, 0.0f);
-      for (int64_t c = 0; c < width; ++c) {  // scores: row (i, j) against column c, for the rows that see c
-        const float* kc = kb + c * hd;
-        for (int64_t i = std::max(r0, c - L); i < r1; ++i)
-          for (int64_t j = 0; j < g; ++j) {
-            const float* q = qkv.data() + i * Q + (kh * g + j) * hd;
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kc));
-            for (int64_t d = 1; d < D; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), _mm256_loadu_ps(kc + d * 8), a);
-            s[((i - r0) * g + j) * width + c] = hsum(a) * scale;
-          }
-      }
-      for (int64_t i = r0; i < r1; ++i)  // softmax numerators exp(s - max) and denominators, per row in order
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - r0) * g + j, cols = L + i + 1;
-          float* sr = s.data() + r * width;
-          float top = -INFINITY;
-          for (int64_t c = 0; c < cols; ++c) top = std::max(top, sr[c]);
-          for (int64_t c = 0; c < cols; ++c) sr[c] -= top;
-          exp_row(sr, sr, cols);
-          for (int64_t c = 0; c < cols; ++c) den[r] += sr[c];
+      std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R);
+      for (int64_t c0 = 0; c0 < width; c0 += COLS)  // scores s[r][c] = q_r . k_c * scale
+        for (int64_t i = r0; i < r1; ++i) {
+          const int64_t c1 = std::min(c0 + COLS, L + i + 1);
+          for (int64_t j = 0; c0 < c1 && j < g; ++j)
+            scores(qkv.data() + i * Q + (kh * g + j) * hd, kb, hd, c0, c1, scale, s.data() + ((i - r0) * g + j) * width);
         }
-      for (int64_t c = 0; c < width; ++c) {  // value sums: num[r] += p[r][c] * v[c], column by column
-        __m256 v[32];
-        for (int64_t d = 0; d < D; ++d) v[d] = _mm256_loadu_ps(vb + c * hd + d * 8);
-        for (int64_t i = std::max(r0, c - L); i < r1; ++i)
-          for (int64_t j = 0; j < g; ++j) {
+      for (int64_t i = r0; i < r1; ++i)  // s[r][c] <- exp(s[r][c] - max), den[r] = their sum
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = (i - r0) * g + j;
+          den[r] = softmax_numerators(s.data() + r * width, L + i + 1);
+        }
+      for (int64_t c0 = 0; c0 < width; c0 += COLS)  // num[r] += s[r][c] * v_c, the g heads of a row together
+        for (int64_t i = r0; i < r1; ++i) {
+          const int64_t c1 = std::min(c0 + COLS, L + i + 1);
+          for (int64_t j = 0; c0 < c1 && j < g; j += 3) {
             const int64_t r = (i - r0) * g + j;
-            const __m256 p = _mm256_set1_ps(s[r * width + c]);
-            float* nr = num.data() + r * hd;
-            for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(nr + d * 8, _mm256_fmadd_ps(p, v[d], _mm256_loadu_ps(nr + d * 8)));
+            switch (std::min<int64_t>(3, g - j)) {
+              case 3: value_sums<3>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+              case 2: value_sums<2>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+              default: value_sums<1>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+            }
           }
-      }
+        }
       for (int64_t i = r0; i < r1; ++i)
         for (int64_t j = 0; j < g; ++j) {
           const int64_t r = (i - r0) * g + j;
