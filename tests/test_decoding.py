@@ -7,6 +7,8 @@ The ``slow`` tests at the end repeat the equality on the cpu preset (SmolLM2-135
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -153,6 +155,20 @@ def test_batched_equals_single(method, cfg, target, prompts, reference):
     for start in range(0, 16, 4):
         gens = generate_speculative_batch(target, drafter, prompts[start:start + 4], MAX_NEW)
         assert [g.token_ids for g in gens] == [r.token_ids for r in reference[start:start + 4]]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fewer_draft_tokens_stay_greedy(k, cfg, target, prompts, reference):
+    """decode.draft_tokens = k: rounds verify k + 1 rows (at most k + 1 tokens each), single and batched,
+    and the output is still greedy AR's."""
+    short = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, draft_tokens=k))
+    drafter = make_drafter("xpress", short, target, seed=0, untrained_ok=True)
+    for start in range(0, 8, 4):
+        gens = generate_speculative_batch(target, drafter, prompts[start:start + 4], MAX_NEW)
+        assert [g.token_ids for g in gens] == [r.token_ids for r in reference[start:start + 4]]
+        assert max(a for g in gens for a in g.draft_accepts) <= k + 1
+    g = generate_speculative(target, drafter, prompts[8], MAX_NEW)
+    assert g.token_ids == reference[8].token_ids and max(g.draft_accepts) <= k + 1
 
 
 def test_noisy_batches_are_ragged(cfg, target, prompts, reference):

@@ -149,6 +149,20 @@ def test_base_logits_over_draft_vocab():
     torch.testing.assert_close(model.base_logits(h, vocab), full[..., [5, 1, 42]])
 
 
+def test_readout_weight_is_kept_until_the_weight_or_vocabulary_changes():
+    net = small()
+    head = net._io()[1]
+    vocab = DraftVocab.from_ids([5, 1, 60], V)
+    with torch.no_grad():
+        w = net.readout_weight(vocab)
+        assert torch.equal(w, head.weight[[5, 1, 60]]) and net.readout_weight(vocab) is w  # gathered once
+        head.weight.mul_(3)  # an in-place update of the target's lm_head
+        assert torch.equal(net.readout_weight(vocab), head.weight[[5, 1, 60]])
+        other = DraftVocab.from_ids([2, 3], V)
+        assert torch.equal(net.readout_weight(other), head.weight[[2, 3]])
+        assert net.readout_weight(DraftVocab.full(V)) is head.weight
+
+
 def test_unattached_drafter_says_how_to_fix():
     c = small().config
     with pytest.raises(RuntimeError, match="attach"):

@@ -62,6 +62,32 @@ def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, n
     return h + (torch.nn.functional.silu(gate) * up) @ f(wd).T
 
 
+def test_module_linear_packs_once_repacks_after_a_change_and_steps_aside_under_autograd(fused):
+    """kernels.linear (the drafter's products): F.linear's function through the packed kernel, the packed copy
+    kept per weight tensor until it changes in place, F.linear itself under autograd or off its shapes."""
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 40), torch.randn(2, 3, 40)
+    with torch.no_grad():
+        y = kn.linear(x, w)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert y.shape == (2, 3, 48) and id(w) in kn._packed
+        packed = kn._packed[id(w)][2]
+        assert kn.linear(x, w) is not y and kn._packed[id(w)][2] is packed  # kept
+        w.mul_(2)  # in place: the kept copy is stale
+        torch.testing.assert_close(kn.linear(x, w), 2 * y, rtol=1e-5, atol=1e-5)
+        assert kn._packed[id(w)][2] is not packed
+        odd = torch.randn(40, 40)  # 40 outputs: not a multiple of the kernel's 16 columns
+        torch.testing.assert_close(kn.linear(x, odd), torch.nn.functional.linear(x, odd))
+        assert id(odd) not in kn._packed
+    wg = w.clone().requires_grad_()
+    out = kn.linear(x, wg)  # autograd on: F.linear, so a gradient flows
+    out.sum().backward()
+    assert wg.grad is not None and id(wg) not in kn._packed
+    key = id(w)
+    del w
+    assert key not in kn._packed  # dropped with its weight
+
+
 @pytest.mark.parametrize("L", [0, 61, 130])
 def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, L):
     """Head width 64 and 3 query heads per key-value head (SmolLM2-135M's; the smoke target has 16 and 2): 16

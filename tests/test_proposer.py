@@ -80,6 +80,34 @@ def test_xpress_jacobi_equals_sequential(temperature, cfg, target, context):
         torch.testing.assert_close(a.q, b.q)
 
 
+@pytest.mark.parametrize("method", MODEL_METHODS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fewer_draft_tokens_are_the_full_drafts_first_ones(method, temperature, cfg, target, context):
+    """decode.draft_tokens = k: the first k tokens and q rows of the full draft, whatever the head (both are
+    causal, so k sequential steps or k Jacobi passes settle them), and no more refinement than k steps."""
+    full = drafter(method, cfg, target)
+    whole = propose(full, context, temperature, seed=5)
+    for k in (1, 2):
+        short = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, draft_tokens=k))
+        d = drafter(method, short, target)
+        assert d.draft_tokens == k
+        out = propose(d, context, temperature, seed=5)
+        assert torch.equal(out.tokens, whole.tokens[:, :k])
+        if temperature:
+            torch.testing.assert_close(out.q, whole.q[:, :k], rtol=0, atol=0)
+        assert (out.stats["iters"] <= k).all()
+
+
+def test_draft_tokens_out_of_range_is_refused(cfg, target):
+    from xpress.config import ConfigError, load_config
+
+    d = new_drafter("dflash", cfg, target)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        ModelDrafter(d.drafter, None, d.vocab, "dflash", 1, draft_tokens=cfg.drafter.block_size)
+    with pytest.raises(ConfigError, match="decode.draft_tokens"):
+        load_config(cfg.preset, [f"decode.draft_tokens={cfg.drafter.block_size}"])
+
+
 def test_ragged_batch_rows_equal_each_row_alone(cfg, target, context):
     d = drafter("xpress", cfg, target)
     batch = propose(d, context)

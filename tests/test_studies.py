@@ -1,5 +1,6 @@
 """The measurement path shared by the studies, the pipeline's notebook selection and order, and the README
 section generated from the result files."""
+import dataclasses
 import json
 
 import pytest
@@ -21,6 +22,22 @@ def test_decode_interleaved_order_and_losslessness(cfg, target):
     sampled = decode_interleaved(target, drafters, prompts, 6, temperature=1.0, seed=5, repeats=2, progress=False)
     assert all(r["lossless"] is None for r in sampled)
     assert sampled[0]["tokens"] == sampled[2]["tokens"]     # a repeat re-draws the same tokens: same generator state
+
+
+def test_draft_length_study_rows_and_table(cfg, target, tmp_path, monkeypatch):
+    """Every method at every k against AR on the same prompts, lossless, k = 0 read as all B - 1 drafts, and
+    no round committing more than k + 1 tokens."""
+    import xpress.paths
+    from xpress.studies.draft_length import run_draft_length
+
+    monkeypatch.setattr(xpress.paths, "RESULTS", tmp_path)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, prompts_per_benchmark=1, max_new_tokens=8, repeats=1))
+    res = run_draft_length(cfg, target, ks=(1, 0), methods=["dflash", "xpress"], progress=False, untrained_ok=True)
+    B = cfg.drafter.block_size
+    assert [(r["method"], r["k"]) for r in res["table"]] == [("ar", 0), ("dflash", 1), ("dflash", B - 1),
+                                                              ("xpress", 1), ("xpress", B - 1)]
+    assert res["lossless_t0"] and all(1.0 <= r["tau"] <= r["k"] + 1 for r in res["table"] if r["method"] != "ar")
+    assert (tmp_path / cfg.preset / "draft_length.json").is_file() and res["provenance"]["git_revision"]
 
 
 def test_select_notebooks():

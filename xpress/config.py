@@ -137,6 +137,10 @@ class DecodeConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0
     batch_size: int = 1
+    # drafted tokens a speculative round verifies: the first k of the drafter's B - 1 (0 = all of them). A
+    # verify of k + 1 rows costs less than one of B rows where the target's forward is compute-bound (a CPU);
+    # tau then counts at most k + 1 tokens a round (studies.draft_length measures the trade)
+    draft_tokens: int = 0
 
 
 @dataclass
@@ -214,6 +218,9 @@ class Config:
         _check(self.eval.resolution_prompts >= 1 and self.eval.resolution_batch_size >= 1,
                "eval.resolution_prompts and eval.resolution_batch_size must be at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
+        _check(0 <= self.decode.draft_tokens < self.drafter.block_size,
+               f"decode.draft_tokens={self.decode.draft_tokens} must lie in [0, {self.drafter.block_size - 1}] "
+               f"(drafter.block_size - 1 drafted tokens; 0 = all)")
         _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
                "data sizes must be >= 0")
         _check(self.data.regen_batch_size >= 1 and self.data.regen_shard_size >= 1,

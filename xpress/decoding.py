@@ -1,7 +1,8 @@
 """Decoding: the autoregressive baseline, the speculative loop with any :class:`~xpress.protocol.Drafter`,
 and the acceptance rules.
 
-Shapes: ``b`` sequences, block size ``B`` (anchor + ``n = B - 1`` drafts), target vocabulary ``V``.
+Shapes: ``b`` sequences, block size ``B`` (anchor + ``n`` drafts: the drafter's ``B - 1``, or ``k = decode.draft_tokens``),
+target vocabulary ``V``.
 
 One speculative round (the dFlash inference layout, docs/background.md)::
 
@@ -455,13 +456,11 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
     """
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
-    b, B = len(prompts), int(drafter.block_size)
+    b = len(prompts)
     rows = _Rows(prompts, SPEC_STAGES, dev)
     sw = Stopwatch(dev)
     kv = RaggedKV(b, dev)
     stops = _stop_tensor(target, stop_ids, dev)
-    arange_B = torch.arange(B, device=dev)
-
     drafter.reset([list(p) for p in prompts])
     ctx, valid, ctx_pos = left_pad([p[:-1] for p in prompts], dev)
     if ctx.shape[1]:
@@ -480,7 +479,9 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
         draft: Draft = drafter.propose(anchor, anchor_pos, temperature, generator)
         _charge_draft(sw, draft.timings, now(dev) - t0)
         with sw("verify"):
-            block = torch.cat([anchor[:, None], draft.tokens], dim=1)  # [b, B]
+            block = torch.cat([anchor[:, None], draft.tokens], dim=1)  # [b, B]: the anchor + the k drafted tokens
+            B = block.shape[1]  # k + 1 rows: the drafter's block size, or fewer (decode.draft_tokens)
+            arange_B = torch.arange(B, device=dev)
             positions = anchor_pos[:, None] + arange_B
             out = target_forward(target, block, kv.cache, positions, kv.attention_mask(B))
             if temperature == 0:

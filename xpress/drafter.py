@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import paths
+from . import kernels, paths
 from .utils import atomic_save_safetensors, atomic_write_json
 
 
@@ -109,6 +109,18 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias (the checkpoint's names) whose inference forward goes through
+    :func:`xpress.kernels.linear`: the fused CPU kernel where the target loaded it, F.linear otherwise
+    (always under autograd, so training is unchanged)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight)
+
+
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for absolute ``positions`` [b, n]: cos, sin [b, 1, n, head_dim] (half-split layout)."""
@@ -130,10 +142,10 @@ class Attention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.nh, self.kvh, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kvh * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kvh * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, self.nh * self.d)
+        self.k_proj = Linear(c.hidden_size, self.kvh * self.d)
+        self.v_proj = Linear(c.hidden_size, self.kvh * self.d)
+        self.o_proj = Linear(self.nh * self.d, c.hidden_size)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
 
@@ -162,9 +174,9 @@ class MLP(nn.Module):
 
     def __init__(self, c: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -241,13 +253,14 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         c = self.config = config
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.mask_token_id is None:
             self.mask_embedding = nn.Parameter(nn.init.normal_(torch.empty(c.hidden_size), std=0.02))  # [H]
         # the target's frozen (embed_tokens, lm_head): a plain tuple, so neither is a submodule, trained or saved
         self._target_io: tuple[nn.Embedding, nn.Linear] | None = None
+        self._readout: tuple | None = None  # (weight, its version, d2t, weight[d2t]): readout_weight()'s copy
 
     # ------------------------------------------------------------------------------- target binding
     def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "DFlashDraftModel":
@@ -321,9 +334,26 @@ class DFlashDraftModel(nn.Module):
     def base_logits(self, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
         """Base logits ``s = lm_head.weight[vocab.d2t] @ h``: hidden [..., H] -> float32 [..., Vd]
         (the full target vocabulary when ``vocab`` is None; the targets' lm_heads have no bias)."""
+        w = self.readout_weight(vocab, hidden.device)
+        return kernels.linear(hidden.to(w.dtype), w).float()
+
+    def readout_weight(self, vocab=None, device: torch.device | str | None = None) -> torch.Tensor:
+        """The target lm_head's rows of the draft vocabulary, ``lm_head.weight[vocab.d2t]`` [Vd, H] (the whole
+        weight when ``vocab`` is None or the full vocabulary). The gathered copy is kept until the weight
+        changes (another tensor or an in-place update) or another vocabulary is asked for: gathering 4,096 rows
+        of SmolLM2's 49,152 took longer than the drafter's own forward at every round."""
         _, lm_head = self._io()
-        w = lm_head.weight if vocab is None or vocab.is_identity else lm_head.weight[vocab.on(hidden.device)[0]]
-        return F.linear(hidden.to(w.dtype), w).float()
+        w = lm_head.weight
+        if vocab is None or vocab.is_identity:
+            return w
+        d2t = vocab.on(torch.device(device) if device is not None else w.device)[0]
+        if torch.is_grad_enabled() and w.requires_grad:  # a trained readout: gather anew, keeping the graph
+            return w[d2t]
+        kept = self._readout
+        if kept is None or kept[0] is not w or kept[1] != kernels.version(w) or kept[2] is not d2t:
+            with torch.no_grad():
+                kept = self._readout = (w, kernels.version(w), d2t, w[d2t])
+        return kept[3]
 
     # ------------------------------------------------------------------------------ target matching
     def check_matches(self, target) -> None:

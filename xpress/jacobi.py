@@ -219,18 +219,21 @@ def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor
 
 def sequential_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.Tensor,
                       temperature: float = 0.0, generator: torch.Generator | None = None,
-                      noise: torch.Tensor | None = None, *, vocab: DraftVocab | None = None) -> RefineResult:
+                      noise: torch.Tensor | None = None, *, vocab: DraftVocab | None = None,
+                      positions: int | None = None) -> RefineResult:
     """The left-to-right reference: P dependent steps, ``y_k = select(l_k(y_{<k}))`` (what the Markov head
     always does, and the exact fixed point of :func:`jacobi_refine`). base_logits [b, P, Vd], anchor [b]
     target ids, noise [b, P, Vd] or None -> RefineResult(tokens [b, P] draft ids, q [b, P, Vd] or None at
-    T=0, iters [b] = P for every block). ``logits_fn`` is called once per position ``k`` -> [b, Vd]."""
+    T=0, iters [b] = the steps taken). ``logits_fn`` is called once per position ``k`` -> [b, Vd].
+    ``positions``: stop after the first n (the rest stay 0 in tokens and q; default P)."""
     b, p, _ = base_logits.shape
     noise = block_noise(base_logits, temperature, generator, noise)
     y = torch.zeros(b, p, dtype=torch.int64, device=base_logits.device)  # positions >= k are not read at k
     q = None if noise is None else torch.zeros_like(base_logits, dtype=torch.float32)
     rows = torch.arange(b, device=base_logits.device)
     choose = getattr(logits_fn, "argmax", None) if noise is None else None
-    for k in range(p):
+    steps = p if positions is None else min(p, positions)
+    for k in range(steps):
         if choose is not None:  # T=0: the tokens alone
             y[:, k] = choose(prev_tokens(anchor, y, vocab), rows, k)
             continue
@@ -238,4 +241,4 @@ def sequential_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: to
         y[:, k] = select(logits, temperature, None if noise is None else noise[:, k])
         if q is not None:
             q[:, k] = distribution(logits, temperature)
-    return RefineResult(y, q, torch.full((b,), p, dtype=torch.int64, device=base_logits.device))
+    return RefineResult(y, q, torch.full((b,), steps, dtype=torch.int64, device=base_logits.device))

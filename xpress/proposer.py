@@ -55,10 +55,14 @@ class ModelDrafter:
 
     ``max_iters``: K, the Jacobi budget (``cfg.head.max_iters``). ``weights``: ``"trained"`` (loaded from a
     checkpoint) or ``"untrained"`` (fresh), as reported by :func:`xpress.methods.drafter_weights`.
+    ``draft_tokens``: k, how many of the B - 1 drafted tokens :meth:`propose` returns (the first k; 0 = all;
+    ``cfg.decode.draft_tokens``). The block is drafted and refined whole, so the k tokens and their ``q`` are
+    those of the full draft.
     """
 
     def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
-                 method: str, max_iters: int, refine: str = "jacobi", weights: str = "untrained"):
+                 method: str, max_iters: int, refine: str = "jacobi", weights: str = "untrained",
+                 draft_tokens: int = 0):
         _check_method(method)
         wanted = HEADS.get(method, type(None))
         if not isinstance(head, wanted):
@@ -74,6 +78,9 @@ class ModelDrafter:
         self.drafter, self.head, self.vocab = drafter, head, vocab
         self.method, self.max_iters, self.refine, self.weights = method, max_iters, refine, weights
         self.block_size = drafter.block_size
+        if not 0 <= draft_tokens < self.block_size:
+            raise ValueError(f"draft_tokens={draft_tokens} must lie in [0, {self.block_size - 1}] (0 = all)")
+        self.draft_tokens = draft_tokens or self.block_size - 1
         self.context: ContextCache | None = None  # set by reset()
 
     @property
@@ -97,8 +104,8 @@ class ModelDrafter:
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, temperature: float,
                 generator: torch.Generator | None = None) -> Draft:
-        """Draft B-1 tokens after ``anchor`` [b] at ``anchor_pos`` [b]: tokens [b, B-1] target ids, ``q``
-        [b, B-1, V] float32 (None at T=0), timings (s) ``draft`` (drafter forward, base readout, mapping to
+        """Draft k = ``draft_tokens`` tokens after ``anchor`` [b] at ``anchor_pos`` [b]: tokens [b, k] target
+        ids, ``q`` [b, k, V] float32 (None at T=0), timings (s) ``draft`` (drafter forward, base readout, mapping to
         target ids) and ``refine`` (this method's token choice: head, Jacobi passes), stats ``iters`` [b]."""
         if self.context is None:
             raise RuntimeError("call reset() before propose()")
@@ -109,8 +116,9 @@ class ModelDrafter:
         with sw("refine"):
             result = self.refine_block(h, base, anchor, temperature, generator)
         with sw("draft"):
-            tokens = self.vocab.to_target(result.tokens)
-            q = None if result.q is None else self.vocab.to_target_probs(result.q)
+            k = self.draft_tokens
+            tokens = self.vocab.to_target(result.tokens[:, :k])
+            q = None if result.q is None else self.vocab.to_target_probs(result.q[:, :k])
         return Draft(tokens=tokens, q=q, timings=sw.pop(), stats={"iters": result.iters})
 
     def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
@@ -123,9 +131,12 @@ class ModelDrafter:
                                 torch.zeros(base.shape[0], dtype=torch.int64, device=base.device))
         correction = self.head.fold(h)
         logits_fn = corrected_logits(base, correction)
+        # both heads are causal (row i reads the tokens before it), so the first k = draft_tokens positions are
+        # final after k sequential steps or k Jacobi passes: the rest of the block is not refined
+        k = self.draft_tokens
         if self.method == "markov" or self.refine == "sequential":
-            return sequential_refine(logits_fn, base, anchor, temperature, generator, vocab=self.vocab)
-        return jacobi_refine(logits_fn, base, anchor, self.max_iters, temperature, generator, vocab=self.vocab)
+            return sequential_refine(logits_fn, base, anchor, temperature, generator, vocab=self.vocab, positions=k)
+        return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, generator, vocab=self.vocab)
 
 
 # ------------------------------------------------------------------------------------- construction
@@ -160,7 +171,7 @@ def new_drafter(method: str, cfg, target, vocab: DraftVocab | None = None, seed:
         torch.manual_seed(seed)
         net = DFlashDraftModel.from_target(target, cfg)
         head = new_head(method, cfg, net, vocab)
-    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine)
+    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, draft_tokens=cfg.decode.draft_tokens)
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -266,7 +277,8 @@ def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: st
             head = HEADS[method](vocab, **json.loads(meta_file.read_text())["config"])
             head.load_state_dict(load_file(str(weights)))
             head = head.to(device=target.device, dtype=net.dtype)
-    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained")
+    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained",
+                        draft_tokens=cfg.decode.draft_tokens)
 
 
 def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None = None,
@@ -283,7 +295,7 @@ def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None
         net = DFlashDraftModel.from_pretrained(cfg.drafter.checkpoint, target=target)
         check_block_size(net, cfg, cfg.drafter.checkpoint)
         return ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method, cfg.head.max_iters, refine,
-                            weights="trained")
+                            weights="trained", draft_tokens=cfg.decode.draft_tokens)
     hint = (", or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
             "z-lab/Qwen3-8B-DFlash-b16 for Qwen3-8B)" if method == "dflash" else "")
     raise CheckpointNotFoundError(f"no {method} checkpoint at {folder}: {train_hint(cfg.preset, method)}{hint}")
