@@ -133,6 +133,15 @@ def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
     assert cmp["ar_over_old"] == saved["spread"]["ar_over_old"]["median"] > 0
     assert cmp["ar_over_generate"] > 0 and cmp["verify_cost_old"]["loop_ratio"] > 0
     assert saved["runtime"]["runtime"] == "lean" and saved["mismatch_fraction"] == 0 and saved["divergences"] == []
+    roof = saved["roofline"]
+    if roof is not None:  # the fused kernels built here: the arithmetic floor of the verify beside the step
+        from xpress.targets import load_target
+
+        model = load_target(load_config("smoke")).model
+        assert roof["macs_per_token"] == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert roof["fma_per_s"] > 1e8 and roof["fma_per_s_one_thread"] > 1e8 and roof["rows"] == saved["block_size"]
+        assert roof["verify_floor_s"] == pytest.approx(roof["rows"] * roof["macs_per_token"] / roof["fma_per_s"])
+        assert roof["floor_ratio"] == pytest.approx(roof["verify_floor_s"] / saved["verify_cost"]["step_1_s"])
     assert saved["provenance"]["target_runtime"]["runtime"] == "lean"
 
 

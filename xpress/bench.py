@@ -383,6 +383,41 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
             "order": "interleaved sweeps (step, loop verify, lean verify), medians"}
 
 
+def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict[str, Any] | None:
+    """The arithmetic floor of a verify on this machine (None off the CPU or without the fused kernels): the
+    float32 multiply-adds per second all threads sustain (:func:`fma_rate` of the C++ module: FMA chains in
+    registers, no memory traffic; the best of ``repeats``) and one thread alone, the target's multiply-adds per token (every
+    ``nn.Linear`` weight, the LM head included; attention's few per cached token left out), and from them
+    the least time ANY float32 kernel needs for ``verify["block_size"]`` rows, against the measured 1-token
+    step (``verify``: :func:`verify_cost_ratio`'s result). Where ``floor_ratio`` exceeds a target ratio, no
+    float32 kernel can meet it here: the verify is bound by arithmetic, the step by reading the weights."""
+    import torch
+
+    from . import kernels
+
+    if target.device.type != "cpu":
+        return None
+    mod = kernels.fused_cpu()
+    if mod is None:
+        return None
+    rate = max(mod.fma_rate(20_000_000) for _ in range(repeats))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # one thread alone: equal to all of them where the "cores" share one core's FMA units (SMT siblings)
+        one = max(mod.fma_rate(20_000_000) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    macs = sum(m.weight.numel() for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+    rows = int(verify["block_size"])
+    floor = rows * macs / rate
+    return {"fma_per_s": rate, "threads": threads, "fma_per_s_one_thread": one, "macs_per_token": macs, "rows": rows,
+            "verify_floor_s": floor, "step_1_s": verify["step_1_s"], "floor_ratio": floor / verify["step_1_s"],
+            "step_weight_gb_per_s": 4 * macs / verify["step_1_s"] / 1e9,
+            "what": "least seconds of float32 multiply-adds for a verify of `rows` tokens at the measured rate, "
+                    "over the measured 1-token step; step_weight_gb_per_s: float32 weight bytes read per second "
+                    "by that step"}
+
+
 def _benchmark_prompts(target: Target, benchmarks: Sequence[str], n_prompts: int) -> list[tuple[str, list[int]]]:
     from .data import load_benchmark
     from .targets import encode_chat
@@ -613,6 +648,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
                                              if k.endswith("_s") and k != "tokens_per_s"},
         "oracle_prepare_s": prepare_s,
         "verify_cost": ratio,
+        "roofline": roofline(target, ratio),
         "load_warning": load["load_warning"],
         "per_repeat": per_repeat,
         "provenance": provenance(preset, **load),

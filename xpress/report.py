@@ -146,6 +146,15 @@ def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> 
         out.append(f"- verify of {ceiling['block_size']} tokens / 1-token step = {ceiling['verify_cost']['loop_ratio']:.2f} "
                    f"(`oracle_ceiling.json`, timed forwards): the break-even tau of a drafter that costs nothing "
                    f"at that block size.")
+        roof = ceiling.get("roofline")
+        if roof:
+            out.append(f"- the arithmetic floor (`oracle_ceiling.json`, `roofline`): this machine's {roof['threads']} threads "
+                       f"sustain {roof['fma_per_s'] / 1e9:.1f} G float32 multiply-adds/s together (FMA chains in registers; "
+                       f"one thread alone {roof['fma_per_s_one_thread'] / 1e9:.1f}); a "
+                       f"{roof['rows']}-token verify needs {roof['macs_per_token'] / 1e6:.0f} M of them per token, at least "
+                       f"{roof['verify_floor_s'] * 1e3:.1f} ms = {roof['floor_ratio']:.2f} one-token steps "
+                       f"({roof['step_1_s'] * 1e3:.1f} ms, reading {roof['step_weight_gb_per_s']:.1f} GB/s of weights) for "
+                       f"any float32 kernel.")
     if t1:
         for c in t1.get("stage_costs", []):
             if c["temperature"] == 0:
@@ -155,6 +164,28 @@ def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> 
     if not out:
         return []
     return ["**Break-even tau on this machine** (a method is faster than AR once its tau exceeds it):", ""] + out + [""]
+
+
+def _draft_length_section(dl: dict) -> list[str]:
+    """Speed against the drafted tokens a round verifies (``draft_length.json``), one row per (method, k)."""
+    B = dl["block_size"]
+    out = [f"**Verify length** (`draft_length.json`, `{dl['command']}`; T = 0, batch 1, "
+           f"{dl['prompts_per_benchmark']} prompts per benchmark x {dl['max_new_tokens']} new tokens, AR and every "
+           f"(method, k) interleaved per prompt, {dl['repeats']} pass(es); {_where(dl['provenance'])}): a round "
+           f"verifies the anchor and the drafter's first k tokens (`decode.draft_tokens`; Table 1 verifies all "
+           f"B - 1 = {B - 1}). Every output equal to AR's: {dl['lossless_t0']}.", "",
+           "| method | k | tau | speedup over AR (pooled) | per-prompt quartiles | verify / AR step | drafting ms a round |",
+           "|---|---|---|---|---|---|---|"]
+    for r in dl["table"]:
+        if r["method"] == "ar":
+            continue
+        out.append(f"| {r['method']} | {r['k']} | {r['tau']:.2f} | {r['speedup']:.2f}x | {r['speedup_q1']:.2f}-"
+                   f"{r['speedup_q3']:.2f} | {r['verify_steps']:.2f} | {r['draft_ms']:.1f} |")
+    b = dl["best"]
+    ar = next(r for r in dl["table"] if r["method"] == "ar")
+    out += ["", f"Fastest: {b['method']} at k = {b['k']}, {b['speedup']:.2f}x AR ({ar['tokens_per_s']:.1f} tokens/s) "
+                f"with tau {b['tau']:.2f}.", ""]
+    return out
 
 
 def _latency_section(lat: dict) -> list[str]:
@@ -281,7 +312,7 @@ def _batched_section(b: dict) -> list[str]:
 
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
-STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json")
+STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json")
 
 
 def _origin_section(preset: str, folder: Path) -> list[str]:
@@ -334,6 +365,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
         out += _resolution_section(res, t1)
     ceiling = _load(folder, "oracle_ceiling.json")
     out += _break_even_section(folder, t1, ceiling)
+    dl = _load(folder, "draft_length.json")
+    if dl:
+        out += _draft_length_section(dl)
     out += _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling)
     lat = _load(folder, "latency.json")
     if lat:

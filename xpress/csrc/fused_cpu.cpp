@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -392,9 +393,37 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
   return h;
 }
 
+// ------------------------------------------------------------------------------------- machine roof
+// Float32 multiply-adds per second that every thread together sustains on twelve independent FMA chains
+// held in registers (no memory traffic): the arithmetic roof of linear(), which no float32 product exceeds.
+double fma_rate(int64_t iters) {
+  const int64_t T = at::get_num_threads();
+  std::vector<float> sink(static_cast<size_t>(T * 8));
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.9999999f);
+      __m256 acc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i + t));
+      for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(x, y, acc[i]);
+      }
+      __m256 s = acc[0];
+      for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
+      _mm256_storeu_ps(sink.data() + t * 8, s);
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];  // the chains' results are used
+  (void)keep;
+  return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 8.0 / seconds;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "[N, K] float32 weight -> [N / 16, K, 16]");
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
 }

@@ -80,8 +80,11 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
     ``results/<preset>/draft_length.{json,csv}`` atomically with provenance; returns the payload."""
     from ..utils import provenance, write_result
 
+    import torch
+
     e = cfg.eval
     methods = list(methods or e.methods)
+    prov = provenance(cfg.preset, torch_threads=torch.get_num_threads())  # the code as it starts, not as it ends
     load = LoadRecord.start()
     t0 = time.perf_counter()
     drafters = at_lengths(make_drafters(cfg, target, methods, untrained_ok), ks)
@@ -93,8 +96,6 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
         r["k"] = 0 if r["method"] == AR else int(r["method"].split(" k=")[1])
     table = summarize(rows)
     warnings = load.stop()
-    import torch
-
     best = max((r for r in table if r["method"] != AR), key=lambda r: r["speedup"])
     result = {"what": "speedup over AR against the drafted tokens a round verifies (decode.draft_tokens), T = 0, "
                       "batch 1, Table 1's prompts, AR and every (method, k) interleaved per prompt",
@@ -108,7 +109,7 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
               "seconds": time.perf_counter() - t0,
               "command": f"python -m xpress.studies.draft_length --preset {cfg.preset}",
               "rows": rows,
-              "provenance": provenance(cfg.preset, torch_threads=torch.get_num_threads(), **load.provenance())}
+              "provenance": {**prov, **load.provenance()}}
     if save:
         write_result(paths.RESULTS / cfg.preset, "draft_length", result, table)
     return result
