@@ -56,8 +56,8 @@ class ModelDrafter:
     ``max_iters``: K, the Jacobi budget (``cfg.head.max_iters``). ``weights``: ``"trained"`` (loaded from a
     checkpoint) or ``"untrained"`` (fresh), as reported by :func:`xpress.methods.drafter_weights`.
     ``draft_tokens``: k, how many of the B - 1 drafted tokens :meth:`propose` returns (the first k; 0 = all;
-    ``cfg.decode.draft_tokens``). The block is drafted and refined whole, so the k tokens and their ``q`` are
-    those of the full draft.
+    ``cfg.decode.draft_tokens``). The block is drafted whole and refined only as far as its first k positions
+    need (both heads are causal), so the k tokens and their ``q`` are those of the full draft.
     """
 
     def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
