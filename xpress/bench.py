@@ -386,8 +386,9 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
 def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict[str, Any] | None:
     """The arithmetic floor of a verify on this machine (None off the CPU or without the fused kernels): the
     float32 multiply-adds per second all threads sustain (:func:`fma_rate` of the C++ module: FMA chains in
-    registers, no memory traffic; the best of ``repeats``) and one thread alone, the target's multiply-adds per token (every
-    ``nn.Linear`` weight, the LM head included; attention's few per cached token left out), and from them
+    registers, no memory traffic; the best of ``repeats``) and one thread alone, the target's multiply-adds
+    per token (every ``nn.Linear`` weight, the LM head included; attention's few per cached token left out),
+    and from them
     the least time ANY float32 kernel needs for ``verify["block_size"]`` rows, against the measured 1-token
     step (``verify``: :func:`verify_cost_ratio`'s result). Where ``floor_ratio`` exceeds a target ratio, no
     float32 kernel can meet it here: the verify is bound by arithmetic, the step by reading the weights."""
