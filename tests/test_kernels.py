@@ -27,6 +27,20 @@ def twins(fused):
             load_target(load_config("smoke", ["target.kernels=torch"])))
 
 
+def test_the_kernels_split_their_work_over_torchs_threads(fused):
+    """Built with OpenMP, one at::parallel_for runs on every torch thread (a build without it ran the fused
+    kernels on one thread whatever torch.set_num_threads said); the status says which build this is."""
+    st = kn.status()
+    assert st["openmp"] or "without OpenMP" in st["reason"]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert fused.parallel_threads(64) == (n if st["openmp"] else 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 40)])
 def test_linear_is_a_product_whose_rows_do_not_depend_on_how_many_are_computed(fused, shape):
     torch.manual_seed(0)
@@ -168,7 +182,7 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
 def test_without_the_kernels_auto_falls_back_and_fused_refuses(monkeypatch):
     monkeypatch.setattr(kn, "_state", {})
     monkeypatch.setenv("XPRESS_KERNELS", "0")
-    assert kn.fused_cpu() is None and kn.status() == {"built": False, "reason": "XPRESS_KERNELS=0"}
+    assert kn.fused_cpu() is None and kn.status() == {"built": False, "reason": "XPRESS_KERNELS=0", "openmp": False}
     t = load_target(load_config("smoke", ["target.kernels=auto"]))
     assert t.meta["kernels"] == "torch" and t.runtime.kernels is None
     if not rt.cpu_features()["avx512f"]:

@@ -404,14 +404,15 @@ def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict
     rate = max(mod.fma_rate(20_000_000) for _ in range(repeats))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:  # one thread alone: equal to all of them where the "cores" share one core's FMA units (SMT siblings)
+    try:  # one thread alone: half of two where each core has its own FMA units (1.0x: SMT siblings, or no OpenMP)
         one = max(mod.fma_rate(20_000_000) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
     macs = sum(m.weight.numel() for m in target.model.modules() if isinstance(m, torch.nn.Linear))
     rows = int(verify["block_size"])
     floor = rows * macs / rate
-    return {"fma_per_s": rate, "threads": threads, "fma_per_s_one_thread": one, "macs_per_token": macs, "rows": rows,
+    return {"fma_per_s": rate, "threads": threads, "fma_per_s_one_thread": one, "openmp": kernels.status()["openmp"],
+            "macs_per_token": macs, "rows": rows,
             "verify_floor_s": floor, "step_1_s": verify["step_1_s"], "floor_ratio": floor / verify["step_1_s"],
             "step_weight_gb_per_s": 4 * macs / verify["step_1_s"] / 1e9,
             "what": "least seconds of float32 multiply-adds for a verify of `rows` tokens at the measured rate, "

@@ -5,6 +5,12 @@ about a minute once, then loaded from ``<repo>/.cache/kernels/`` or ``$XPRESS_CA
 the module, or None with the reason in :func:`status` where it cannot: a CPU without AVX2 and FMA, no
 compiler, a failed build, or ``XPRESS_KERNELS=0`` in the environment. Callers fall back to the Python path
 (:mod:`xpress.runtime`), which computes the same thing with PyTorch operations.
+
+The kernels split their work over torch's threads with ``at::parallel_for``, which ATen's headers expand to
+an OpenMP region: compiled without ``-fopenmp`` that region runs on one thread, whatever
+``torch.set_num_threads`` says (on a 2-core EPYC: 51 G float32 multiply-adds/s instead of 103, and a
+16-row product at half speed). So the module is built with OpenMP (``-fopenmp``, against the ``libgomp``
+torch itself loads) and, where the compiler cannot, without it; :func:`status` says which (``"openmp"``).
 """
 from __future__ import annotations
 
@@ -22,12 +28,14 @@ from .paths import REPO_ROOT, cache_dir
 
 SOURCE = REPO_ROOT / "xpress" / "csrc" / "fused_cpu.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the source does not write
+OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers: without it, one thread
 _state: dict[str, Any] = {}
 _packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, its version, packed)
 
 
 def status() -> dict[str, Any]:
-    """``{"built": bool, "reason": str}`` of the last :func:`fused_cpu` call (empty before any)."""
+    """``{"built": bool, "reason": str, "openmp": bool}`` of the last :func:`fused_cpu` call (empty before
+    any); ``openmp`` False: built without OpenMP, so the kernels run on one thread."""
     return dict(_state.get("status", {}))
 
 
@@ -35,7 +43,7 @@ def fused_cpu():
     """The compiled fused float32 kernels (``pack``, ``linear``, ``rms_norm``, ``layer``), or None."""
     if "module" in _state:
         return _state["module"]
-    module, reason = None, ""
+    module, reason, openmp = None, "", False
     if os.environ.get("XPRESS_KERNELS", "1") == "0":
         reason = "XPRESS_KERNELS=0"
     elif not _cpu_has_avx2_fma():
@@ -43,13 +51,16 @@ def fused_cpu():
     elif shutil.which(os.environ.get("CXX", "c++")) is None:
         reason = "no C++ compiler (c++ or $CXX) on PATH"
     else:
-        try:
-            module = _build()
-            reason = "built"
-        except Exception as e:  # a failed build is a fallback, not an error; the reason is recorded
-            reason = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        for openmp in (True, False):  # without OpenMP only where the compiler has none
+            try:
+                module = _build(OPENMP if openmp else [])
+                reason = "built" if openmp else f"built without OpenMP (one thread; {reason})"
+                break
+            except Exception as e:  # a failed build is a fallback, not an error; the reason is recorded
+                reason = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        openmp = openmp and module is not None
     _state["module"] = module
-    _state["status"] = {"built": module is not None, "reason": reason}
+    _state["status"] = {"built": module is not None, "reason": reason, "openmp": openmp}
     return module
 
 
@@ -81,7 +92,7 @@ def version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def _build():
+def _build(extra: list[str]):
     from pathlib import Path
 
     from torch.utils.cpp_extension import load, verify_ninja_availability
@@ -90,12 +101,13 @@ def _build():
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     verify_ninja_availability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    flags = FLAGS + extra
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / f"fused_cpu-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         print("xpress: compiling the fused CPU kernels (once, about a minute) ...", file=sys.stderr, flush=True)
-    return load(name=f"xpress_fused_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+    return load(name=f"xpress_fused_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=extra,
                 build_directory=str(folder), verbose=False)
 
 

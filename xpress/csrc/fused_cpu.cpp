@@ -420,10 +420,22 @@ double fma_rate(int64_t iters) {
   return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 8.0 / seconds;
 }
 
+// How many of torch's threads ran the bodies of one at::parallel_for over n items: at::get_num_threads()
+// where the module was built with OpenMP, 1 where it was not (ATen's parallel_for is an OpenMP region
+// written in its headers, so it runs serially in code compiled without -fopenmp).
+int64_t parallel_threads(int64_t n) {
+  std::vector<int> ran(static_cast<size_t>(at::get_num_threads()), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { ran[static_cast<size_t>(at::get_thread_num())] = 1; });
+  int64_t used = 0;
+  for (int r : ran) used += r;
+  return used;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "[N, K] float32 weight -> [N / 16, K, 16]");
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("parallel_threads", &parallel_threads, "threads that ran one at::parallel_for over n items");
   m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
 }
