@@ -33,7 +33,7 @@ reproduce: setup
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup.
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
-	train.anchors_per_seq=16 train.tv_weight=0
+	train.anchors_per_seq=32 train.tv_weight=0
 studies: setup
 	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.levers --preset $(PRESET) --steps $(LEVER_STEPS) $(LEVERS)

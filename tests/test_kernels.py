@@ -145,6 +145,26 @@ def test_fused_layers_compute_the_torch_path_function(twins):
     torch.testing.assert_close(tail.logits, fa.logits[:, -5:], rtol=1e-4, atol=1e-4)
 
 
+def test_batched_forwards_take_the_kernels_products(twins):
+    """With the kernels, the lean runtime's PyTorch layer (batches, regeneration's capture) computes its
+    products with the kernel's linear on the weights the fused layer reads (one packed copy, not two), and a
+    batch of two rows gives each row the logits of that row alone through the fused layers."""
+    a, b = twins
+    lean = a.runtime
+    for lw in lean.layers:
+        assert lw.wqkv.kernels is not None and lw.fused[0] is lw.wqkv.fused and lw.fused[3] is lw.wd.fused
+    assert lean.lm_head.kernels is not None and lean.lm_head_fused[0] is lean.lm_head.fused
+    assert b.runtime.lm_head.kernels is None and b.runtime.layers[0].fused == ()
+    x = torch.randn(5, lean.hidden)
+    w = a.model.get_output_embeddings().weight.detach()
+    assert torch.equal(lean.lm_head(x), kn.fused_cpu().linear(x, kn.fused_cpu().pack(w.contiguous())))
+    torch.testing.assert_close(lean.lm_head(x), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    ids = torch.tensor([encode_chat(a.tokenizer, ["Two plus two?"])[:12], encode_chat(a.tokenizer, ["Hello"])[:12]])
+    both = target_forward(a, ids).logits
+    for i in range(2):
+        torch.testing.assert_close(both[i:i + 1], target_forward(a, ids[i:i + 1]).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_verify_equals_one_token_steps_bit_for_bit(twins):
     """A prefill (in ROW_CHUNK pieces past 128 tokens), an n-token verify and n steps give the same logits
     and K/V, at contexts on and around the attention's and the kernels' block edges."""
