@@ -38,6 +38,12 @@ def test_draft_length_study_rows_and_table(cfg, target, tmp_path, monkeypatch):
                                                               ("xpress", 1), ("xpress", B - 1)]
     assert res["lossless_t0"] and all(1.0 <= r["tau"] <= r["k"] + 1 for r in res["table"] if r["method"] != "ar")
     assert (tmp_path / cfg.preset / "draft_length.json").is_file() and res["provenance"]["git_revision"]
+    from xpress.report import _draft_length_section
+
+    best = next(r for r in res["table"] if (r["method"], r["k"]) == (res["best"]["method"], res["best"]["k"]))
+    ar = res["table"][0]
+    line = next(x for x in _draft_length_section(res) if x.startswith("Fastest"))
+    assert f"({best['tokens_per_s']:.1f} tokens/s against AR's {ar['tokens_per_s']:.1f})" in line  # the method's rate
 
 
 def test_select_notebooks():
