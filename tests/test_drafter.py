@@ -7,7 +7,8 @@ from torch import nn
 
 from xpress import DFlashDraftModel, DraftVocab
 from xpress.config import load_config
-from xpress.drafter import (CheckpointNotFoundError, DFlashConfig, DrafterMismatchError, block_attention_mask)
+from xpress.drafter import (CheckpointNotFoundError, DFlashConfig, DrafterMismatchError, RopeTable, apply_rope,
+                            block_attention_mask, rope)
 
 V, H = 100, 32
 
@@ -126,6 +127,51 @@ def test_many_blocks_in_one_forward_equal_each_block_alone():
             n = int(anchor_pos[0, a])
             alone = model(anchor[:, a:a + 1], anchor_pos[:, a:a + 1], model.encode_context(feats[:, :n], pos[:, :n]))
             torch.testing.assert_close(many[:, a], alone[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_table_rows_are_rope_and_the_rotation_is_rotate_half_bit_for_bit():
+    """The kept table gives rope()'s entries at any positions (grown past its first size; cos and sin are
+    vectorised differently in a long table than in a short one, so to float32 rounding), and apply_rope with
+    the signed sin table is the textbook rotate-half x * cos + cat(-x2, x1) * sin, bit for bit."""
+    d, theta = 8, 10000.0
+    table = RopeTable(d, theta)
+    for pos in (torch.tensor([[0, 5, 1023]]), torch.tensor([[3000, 7], [1, 2]])):  # the second grows the table
+        cos, sin = table(pos, torch.float32)
+        ref_cos, ref_sin = rope(pos, d, theta, torch.float32)
+        assert cos.shape == sin.shape == (pos.shape[0], 1, pos.shape[1], d)
+        torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-6)
+    assert table._cos.shape[0] >= 3001
+    x = torch.randn(2, 3, 2, d)
+    half = sin[..., d // 2:]  # sin of the angles; the first half of the table holds their negatives
+    assert torch.equal(sin[..., :d // 2], -half)
+    x1, x2 = x.chunk(2, dim=-1)
+    textbook = x * cos + torch.cat([-x2, x1], dim=-1) * torch.cat([half, half], dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), textbook)
+
+
+def test_a_block_after_a_whole_context_skips_the_mask_and_keeps_its_states(monkeypatch):
+    """Inference's case (one block per row, every context entry real and before the anchor) runs without a
+    mask; the states equal those of the masked forward (the same context marked as not known to be dense)."""
+    import xpress.drafter as drafter_module
+
+    model = small()
+    feats, pos = features(2, 9), torch.arange(9).expand(2, 9)
+    anchor, anchor_pos = torch.tensor([[5], [7]]), torch.tensor([[9], [9]])
+    calls = []
+    monkeypatch.setattr(drafter_module, "block_attention_mask", lambda *a: calls.append(1) or block_attention_mask(*a))
+    with torch.no_grad():
+        ctx = model.encode_context(feats, pos)
+        assert ctx.dense and ctx.end == 9
+        fast, slow = model(anchor, anchor_pos, ctx), model(anchor, anchor_pos, dataclasses.replace(ctx, dense=False))
+        assert len(calls) == 1  # only the context not known to be dense built one
+        model(anchor, anchor_pos - 1, ctx)  # an anchor inside the context: masked
+        assert len(calls) == 2
+        valid = torch.ones(2, 9, dtype=torch.bool)
+        valid[1, 4] = False
+        holes = model.encode_context(feats, pos, valid)
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-6)
+    assert not holes.dense and not ctx.append(holes).dense and ctx.append(ctx).dense and ctx.append(ctx).end == 9
 
 
 def test_block_attention_mask_pattern():

@@ -144,6 +144,20 @@ def test_folded_and_markov_positions_from_lo():
     torch.testing.assert_close(head.bias(prev, None, None, lo=2), head(prev)[:, 2:])
 
 
+def test_folded_first_k_positions_alone_equal_the_whole_blocks():
+    """FoldedRefiner.first(k) (drafting k < P tokens) gives the whole block's corrections of the first k
+    positions from their own prefix, for every k and from every lo; a later token cannot reach it."""
+    ref = refiner()
+    h, prev = inputs(b=3)
+    with torch.no_grad():
+        full = ref.fold(h)(prev)  # [b, P, Vd]
+        for k in range(1, P):
+            first = ref.fold(h).first(k)
+            torch.testing.assert_close(first(prev[:, :k]), full[:, :k], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(first(prev[:, :k], None, k - 1), full[:, k - 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(first(prev[:, :k], None, None, lo=k - 1), full[:, k - 1:k], atol=1e-5, rtol=1e-5)
+
+
 def test_packed_readout_equals_the_linear_layer_and_follows_updates():
     ref = refiner()
     z = torch.randn(2, P, R, generator=torch.Generator().manual_seed(3))

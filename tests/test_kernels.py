@@ -46,10 +46,12 @@ def test_linear_is_a_product_whose_rows_do_not_depend_on_how_many_are_computed(f
     torch.manual_seed(0)
     w = torch.randn(shape)
     packed = fused.pack(w)
-    x = torch.randn(40, shape[1])
-    one = torch.cat([fused.linear(x[j:j + 1], packed) for j in range(40)])
+    x = torch.randn(100, shape[1])
+    one = torch.cat([fused.linear(x[j:j + 1], packed) for j in range(100)])
     torch.testing.assert_close(one, x @ w.T, rtol=1e-4, atol=1e-4)
-    for m in (2, 3, 5, 6, 7, 13, 16, 40):  # every row-block shape of the kernel
+    # every row-block shape of the kernel, and both orders past 6 rows (panel by panel while x fits in
+    # 128 KB, groups of four panels beyond)
+    for m in (2, 3, 5, 6, 7, 13, 16, 40, 100):
         assert torch.equal(fused.linear(x[:m], packed), one[:m]), m
 
 
@@ -84,22 +86,71 @@ def test_module_linear_packs_once_repacks_after_a_change_and_steps_aside_under_a
     with torch.no_grad():
         y = kn.linear(x, w)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
-        assert y.shape == (2, 3, 48) and id(w) in kn._packed
-        packed = kn._packed[id(w)][2]
-        assert kn.linear(x, w) is not y and kn._packed[id(w)][2] is packed  # kept
+        assert y.shape == (2, 3, 48) and (id(w),) in kn._packed
+        packed = kn._packed[(id(w),)][2]
+        assert kn.linear(x, w) is not y and kn._packed[(id(w),)][2] is packed  # kept
         w.mul_(2)  # in place: the kept copy is stale
         torch.testing.assert_close(kn.linear(x, w), 2 * y, rtol=1e-5, atol=1e-5)
-        assert kn._packed[id(w)][2] is not packed
+        assert kn._packed[(id(w),)][2] is not packed
         odd = torch.randn(40, 40)  # 40 outputs: not a multiple of the kernel's 16 columns
         torch.testing.assert_close(kn.linear(x, odd), torch.nn.functional.linear(x, odd))
-        assert id(odd) not in kn._packed
+        assert (id(odd),) not in kn._packed
     wg = w.clone().requires_grad_()
     out = kn.linear(x, wg)  # autograd on: F.linear, so a gradient flows
     out.sum().backward()
-    assert wg.grad is not None and id(wg) not in kn._packed
-    key = id(w)
+    assert wg.grad is not None and (id(wg),) not in kn._packed
+    key = (id(w),)
     del w
     assert key not in kn._packed  # dropped with its weight
+
+
+def test_linears_stack_the_weights_into_one_product_with_each_products_bits(fused):
+    """kernels.linears (the drafter's q/k/v and gate/up products): one kernel call on the weights stacked,
+    equal bit for bit to a kernel call per weight (the kernel computes each output column alone); the stack
+    is kept until one weight changes and dropped with any of them; separate F.linear calls under autograd."""
+    torch.manual_seed(1)
+    ws = (torch.randn(64, 40), torch.randn(32, 40), torch.randn(32, 40))
+    x = torch.randn(2, 7, 40)
+    with torch.no_grad():
+        outs = kn.linears(x, ws)
+        assert [tuple(o.shape) for o in outs] == [(2, 7, 64), (2, 7, 32), (2, 7, 32)]
+        for o, w in zip(outs, ws):
+            assert torch.equal(o, kn.linear(x, w))
+        key = tuple(id(w) for w in ws)
+        packed = kn._packed[key][2]
+        assert packed.shape == (8, 40, 16) and kn.linears(x, ws) and kn._packed[key][2] is packed
+        ws[1].add_(1)  # one weight changed in place: the stack is rebuilt
+        assert torch.equal(kn.linears(x, ws)[1], kn.linear(x, ws[1])) and kn._packed[key][2] is not packed
+    wg = ws[0].clone().requires_grad_()
+    kn.linears(x, (wg, ws[1]))[0].sum().backward()  # autograd: F.linear per weight, the gradient flows
+    assert wg.grad is not None and (id(wg), id(ws[1])) not in kn._packed
+    a, b = ws[0], ws[2]
+    with torch.no_grad():
+        kn.linears(x, (a, b))
+    pair = (id(a), id(b))
+    assert pair in kn._packed and key in kn._packed
+    del a, ws  # the first weight is gone (b lives on): every stack holding it goes with it
+    assert pair not in kn._packed and key not in kn._packed
+def test_module_rms_norm_is_the_drafters_norm_and_steps_aside_under_autograd(fused):
+    """kernels.rms_norm (the drafter's norms at inference): Qwen3's RMSNorm on any [..., H] view, to float32
+    rounding; None (the caller's PyTorch path) under autograd, off float32 or when H is not a multiple of 8."""
+    from xpress.drafter import RMSNorm
+
+    torch.manual_seed(2)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(2, 5, 3 * 64)[..., 64:].unflatten(-1, (2, 64))  # a strided view, [2, 5, 2, 64]
+        reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        fused_out = kn.rms_norm(x, norm.weight, 1e-6)
+        torch.testing.assert_close(fused_out, reference, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(norm(x), reference, rtol=2e-6, atol=2e-6)
+        assert kn.rms_norm(x.double(), norm.weight.double(), 1e-6) is None
+        assert kn.rms_norm(torch.randn(3, 12), torch.ones(12), 1e-6) is None
+    assert kn.rms_norm(x, norm.weight, 1e-6) is None  # autograd on
+    out = norm(x.clone().requires_grad_())
+    out.sum().backward()
+    assert norm.weight.grad is not None
 
 
 @pytest.mark.parametrize("L", [0, 61, 130])

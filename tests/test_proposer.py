@@ -84,7 +84,9 @@ def test_xpress_jacobi_equals_sequential(temperature, cfg, target, context):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_fewer_draft_tokens_are_the_full_drafts_first_ones(method, temperature, cfg, target, context):
     """decode.draft_tokens = k: the first k tokens and q rows of the full draft, whatever the head (both are
-    causal, so k sequential steps or k Jacobi passes settle them), and no more refinement than k steps."""
+    causal, so k sequential steps or k Jacobi passes settle them), and no more refinement than k steps. Only
+    the k positions are computed (their readout a k-row product, not a (B-1)-row one), so q agrees to float32
+    rounding; each token is drawn from the q returned with it, which is what lossless sampling needs."""
     full = drafter(method, cfg, target)
     whole = propose(full, context, temperature, seed=5)
     for k in (1, 2):
@@ -94,7 +96,7 @@ def test_fewer_draft_tokens_are_the_full_drafts_first_ones(method, temperature, 
         out = propose(d, context, temperature, seed=5)
         assert torch.equal(out.tokens, whole.tokens[:, :k])
         if temperature:
-            torch.testing.assert_close(out.q, whole.q[:, :k], rtol=0, atol=0)
+            torch.testing.assert_close(out.q, whole.q[:, :k], rtol=1e-5, atol=1e-7)
         assert (out.stats["iters"] <= k).all()
 
 

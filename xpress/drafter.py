@@ -97,7 +97,8 @@ class DFlashConfig:
 
 # ------------------------------------------------------------------------------------------ layers
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)`` over the last dim, computed in float32 (Qwen3's RMSNorm)."""
+    """``weight * x / rms(x)`` over the last dim, computed in float32 (Qwen3's RMSNorm); at inference in one
+    call of the fused CPU kernel where the target loaded it (:func:`xpress.kernels.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -105,6 +106,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = kernels.rms_norm(x, self.weight, self.eps)
+        if fused is not None:
+            return fused
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -123,17 +127,44 @@ class Linear(nn.Linear):
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables for absolute ``positions`` [b, n]: cos, sin [b, 1, n, head_dim] (half-split layout)."""
+    """Rotary tables for absolute ``positions`` [b, n]: cos, sin [b, 1, n, head_dim] (half-split layout).
+    The sin table carries the rotation's sign: its first half is negated, so that :func:`apply_rope` is
+    ``x * cos + roll(x, d/2) * sin`` (bit for bit ``x * cos + cat(-x2, x1) * sin``: negation is exact)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[..., None] * inv_freq  # [b, n, d/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [b, 1, n, d]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    return (torch.cat([angles, angles], dim=-1).cos()[:, None].to(dtype),
+            torch.cat([-sin, sin], dim=-1)[:, None].to(dtype))
+
+
+class RopeTable:
+    """:func:`rope` for positions ``0 .. n-1``, computed once and grown geometrically (an inference round
+    otherwise recomputes the same angles, a dozen small operations, twice); :meth:`__call__` gathers the
+    rows of ``positions``. Entries are :func:`rope`'s at the same positions (the same operations on the same
+    float32 angles; cos and sin may round a last bit differently in a long tensor than in a short one)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._cos = self._sin = torch.empty(0, head_dim)  # [n, d] each
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, end: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, n] int64, all >= 0 -> cos, sin [b, 1, n, d] of ``dtype``. ``end``: one past the
+        largest position, where the caller knows it."""
+        need = end if end is not None else int(positions.max()) + 1 if positions.numel() else 0
+        c = self._cos
+        if c.shape[0] < need or c.dtype != dtype or c.device != positions.device:
+            n = max(need, 2 * c.shape[0] if c.dtype == dtype else 0, 1024)
+            with torch.inference_mode(False), torch.no_grad():  # a plain constant, whatever mode builds it
+                cos, sin = rope(torch.arange(n, device=positions.device)[None], self.head_dim, self.theta, dtype)
+            self._cos, self._sin = cos[0, 0], sin[0, 0]
+        return self._cos[positions][:, None], self._sin[positions][:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [b, heads, n, d] by the tables of :func:`rope`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """Rotate ``x`` [b, heads, n, d] by the tables of :func:`rope` (rotate-half: ``(x1, x2)`` pairs with
+    ``(-x2, x1)``; the sign sits in ``sin``)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -152,18 +183,23 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, n, H] -> keys (k_norm, then RoPE), values: [b, kvh, n, d] each."""
-        b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, self.kvh, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kvh, self.d).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return self._kv(*kernels.linears(x, (self.k_proj.weight, self.v_proj.weight)), cos, sin)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k, v [b, n, kvh * d] -> keys (k_norm, then RoPE), values: [b, kvh, n, d] each."""
+        b, n, _ = k.shape
+        k = self.k_norm(k.view(b, n, self.kvh, self.d)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(b, n, self.kvh, self.d).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [b, n, H] (block), ctx_k/ctx_v [b, kvh, L, d], mask [b, 1, n, L + n] bool (True = attend)
-        -> [b, n, H]."""
+                ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [b, n, H] (block), ctx_k/ctx_v [b, kvh, L, d], mask [b, 1, n, L + n] bool (True = attend; None:
+        every key) -> [b, n, H]. The q, k and v products are one call (:func:`xpress.kernels.linears`)."""
         b, n, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.nh, self.d)).transpose(1, 2), cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        q, k, v = kernels.linears(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        q = apply_rope(self.q_norm(q.view(b, n, self.nh, self.d)).transpose(1, 2), cos, sin)
+        k, v = self._kv(k, v, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, nh, n, d]
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.d))
@@ -179,7 +215,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = kernels.linears(x, (self.gate_proj.weight, self.up_proj.weight))  # one product
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -204,13 +241,16 @@ class ContextCache:
 
     keys, values: one [b, kvh, L, d] tensor per drafter layer; positions [b, L] int64 absolute positions;
     valid [b, L] bool (False = padding of a ragged batch, never attended). Grows by concatenation; padded
-    entries stay in place as masked holes.
+    entries stay in place as masked holes. Known on the host, so that a forward need not ask the tensors:
+    ``dense`` (no entry is padding) and ``end`` (one past the largest position, padding included).
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: torch.Tensor
     valid: torch.Tensor
+    dense: bool = False
+    end: int = 0
 
     def append(self, other: "ContextCache") -> "ContextCache":
         """This context followed by ``other`` (same batch), along L."""
@@ -218,7 +258,8 @@ class ContextCache:
             keys=[torch.cat([a, b], dim=2) for a, b in zip(self.keys, other.keys)],
             values=[torch.cat([a, b], dim=2) for a, b in zip(self.values, other.values)],
             positions=torch.cat([self.positions, other.positions], dim=1),
-            valid=torch.cat([self.valid, other.valid], dim=1))
+            valid=torch.cat([self.valid, other.valid], dim=1),
+            dense=self.dense and other.dense, end=max(self.end, other.end))
 
 
 def block_attention_mask(ctx_positions: torch.Tensor, ctx_valid: torch.Tensor, anchor_pos: torch.Tensor,
@@ -261,6 +302,7 @@ class DFlashDraftModel(nn.Module):
         # the target's frozen (embed_tokens, lm_head): a plain tuple, so neither is a submodule, trained or saved
         self._target_io: tuple[nn.Embedding, nn.Linear] | None = None
         self._readout: tuple | None = None  # (weight, its version, d2t, weight[d2t]): readout_weight()'s copy
+        self._rope_table = RopeTable(c.head_dim, c.rope_theta)
 
     # ------------------------------------------------------------------------------- target binding
     def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "DFlashDraftModel":
@@ -283,19 +325,18 @@ class DFlashDraftModel(nn.Module):
         return self.fc.weight.dtype
 
     # ---------------------------------------------------------------------------------------- forward
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor,
                        valid: torch.Tensor | None = None) -> ContextCache:
         """Target features [b, L, F] at absolute ``positions`` [b, L] -> the per-layer context K/V.
         ``valid`` [b, L] bool marks real entries (default: all)."""
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [b, L, H]
-        cos, sin = self._rope(positions)
+        end = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self._rope_table(positions, self.dtype, end)
         kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+        dense = valid is None or bool(valid.all())
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        return ContextCache([k for k, _ in kv], [v for _, v in kv], positions, valid)
+        return ContextCache([k for k, _ in kv], [v for _, v in kv], positions, valid, dense, end)
 
     def empty_context(self, batch: int, device: torch.device | str | None = None) -> ContextCache:
         """A context of length 0 for ``batch`` sequences."""
@@ -303,7 +344,7 @@ class DFlashDraftModel(nn.Module):
         c, n = self.config, len(self.layers)
         empty = torch.zeros(batch, c.num_key_value_heads, 0, c.head_dim, dtype=self.dtype, device=device)
         return ContextCache([empty] * n, [empty] * n, torch.zeros(batch, 0, dtype=torch.int64, device=device),
-                            torch.zeros(batch, 0, dtype=torch.bool, device=device))
+                            torch.zeros(batch, 0, dtype=torch.bool, device=device), dense=True, end=0)
 
     def embed_block(self, anchor: torch.Tensor) -> torch.Tensor:
         """Anchor target ids [b, nb] -> block inputs [b, nb*B, H]: each block ``[anchor, MASK x (B-1)]``."""
@@ -325,8 +366,12 @@ class DFlashDraftModel(nn.Module):
         B = self.block_size
         x = self.embed_block(anchor)  # [b, nb*B, H]
         pos = (anchor_pos[:, :, None] + torch.arange(B, device=anchor.device)).reshape(b, nb * B)
-        mask = block_attention_mask(context.positions, context.valid, anchor_pos, B)  # [b, 1, nb*B, L+nb*B]
-        cos, sin = self._rope(pos)
+        # one block per sequence after a context that is all real and all before its anchor (inference's
+        # case): every key is attended, so no mask is built
+        first = int(anchor_pos.min()) if nb == 1 and context.dense else -1
+        mask = (None if context.end <= first else  # [b, 1, nb*B, L+nb*B]
+                block_attention_mask(context.positions, context.valid, anchor_pos, B))
+        cos, sin = self._rope_table(pos, self.dtype)
         for layer, k, v in zip(self.layers, context.keys, context.values):
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x).view(b, nb, B, -1)

@@ -154,6 +154,12 @@ class FoldedRefiner:
             c = base[:, k] + torch.einsum("dj,njd->nd", self.mixer[:, k, :k + 1], self.table[idx[:, :k + 1]])
         return self.head.trans(c)
 
+    def first(self, k: int) -> "FoldedRefiner":
+        """The operator of the block's first ``k`` positions alone (prev [n, k] -> [n, k, Vd]), the same
+        function as the whole block's there: position ``i`` reads only rows and columns ``<= i`` of the mixer
+        (the dropped columns multiply zeros), and the per-block part keeps its mean over all P states."""
+        return FoldedRefiner(self.head, self.base[:, :k], self.mixer[:, :k, :k], self.table)
+
     def __call__(self, prev: torch.Tensor, rows: torch.Tensor | None = None, k: int | None = None,
                  lo: int = 0) -> torch.Tensor:
         """delta (the readout of :meth:`latent`): [n, P, Vd], [n, P-lo, Vd] or [n, Vd]."""

@@ -30,7 +30,8 @@ SOURCE = REPO_ROOT / "xpress" / "csrc" / "fused_cpu.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the source does not write
 OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers: without it, one thread
 _state: dict[str, Any] = {}
-_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, its version, packed)
+_packed: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
+# ids of the weights -> (the weights, their versions, their packed stack): _packed_copy()'s copies
 
 
 def status() -> dict[str, Any]:
@@ -64,6 +65,16 @@ def fused_cpu():
     return module
 
 
+def _kernel_for(x: torch.Tensor, *weights: torch.Tensor):
+    """The loaded module where :func:`linear` may use it for ``x`` and every one of ``weights``, else None."""
+    mod = _state.get("module")
+    if mod is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+        return None
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[0] % 16 for w in weights):
+        return None
+    return mod
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias; x [..., K], weight [N, K] -> [..., N]) through the fused kernel's
     ``linear`` where this process already loaded it (:func:`fused_cpu`, as the target's fused layers do; this
@@ -73,17 +84,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     few rows on two cores the kernel runs a small drafter's products 1.4-3x faster than F.linear: it streams
     each packed panel once, where the library's general kernel is tuned for larger products. The kernel is
     row-invariant (a row's output does not depend on the other rows), F.linear is not."""
+    mod = _kernel_for(x, weight)
+    if mod is None:
+        return F.linear(x, weight)
+    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), _packed_copy(mod, (weight,)))  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``F.linear(x, w)`` for each of ``weights`` (all [N_i, K]) -> one [..., N_i] per weight. Where
+    :func:`linear` would use the kernel for all of them, this is ONE product on the weights stacked along
+    the outputs (packed once, kept until one changes): one call and one parallel region instead of several,
+    and the threads share more output panels (a drafter's 192-wide key and value products split 2:1 over
+    two threads). The kernel computes each output column alone, so the results equal separate calls' bit
+    for bit; they are views into one [..., sum N_i] tensor."""
+    mod = _kernel_for(x, *weights)
+    if mod is None or len(weights) == 1:
+        return tuple(linear(x, w) for w in weights)
+    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), _packed_copy(mod, weights))
+    return out.view(*x.shape[:-1], -1).split([w.shape[0] for w in weights], dim=-1)
+
+
+def _packed_copy(mod, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The kernel's packed copy of ``weights`` stacked along the outputs, made once and kept (weakly: it
+    goes with any of the weights) until one of them changes in place."""
+    key = tuple(id(w) for w in weights)
+    kept = _packed.get(key)
+    versions = tuple(version(w) for w in weights)
+    if kept is None or any(r() is not w for r, w in zip(kept[0], weights)) or kept[1] != versions:
+        refs = tuple(weakref.ref(w, lambda _, k=key: _packed.pop(k, None)) for w in weights)  # dropped with any
+        stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+        kept = _packed[key] = (refs, versions, mod.pack(stacked.contiguous()))
+    return kept[2]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / rms(x)`` over the last dim (x [..., H], weight [H], H a multiple of 8) in one call of the
+    kernel's ``rms_norm`` where :func:`linear` would use the kernel for x; None elsewhere (the caller then
+    computes it with PyTorch operations: six of them). The kernel sums the squares in eight lanes, PyTorch
+    in its own order: the two agree to float32 rounding, not bit for bit."""
     mod = _state.get("module")
     if (mod is None or torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or weight.device.type != "cpu" or weight.shape[0] % 16 or x.numel() == 0):
-        return F.linear(x, weight)
-    key = id(weight)
-    kept = _packed.get(key)
-    if kept is None or kept[0]() is not weight or kept[1] != version(weight):
-        ref = weakref.ref(weight, lambda _, k=key: _packed.pop(k, None))  # dropped with the weight
-        kept = _packed[key] = (ref, version(weight), mod.pack(weight.detach().contiguous()))
-    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), kept[2])  # [M, N]
-    return out.view(*x.shape[:-1], weight.shape[0])
+            or x.device.type != "cpu" or x.shape[-1] % 8 or x.numel() == 0):
+        return None
+    return mod.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps).view(x.shape)
 
 
 def version(t: torch.Tensor) -> int:

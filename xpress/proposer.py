@@ -24,7 +24,7 @@ import torch
 from . import paths
 from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
 from .heads import MarkovHead, XPressRefiner
-from .jacobi import (RefineResult, block_noise, corrected_logits, distribution, jacobi_refine, select,
+from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, select,
                      sequential_refine)
 from .protocol import Draft
 from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
@@ -112,31 +112,37 @@ class ModelDrafter:
         sw = Stopwatch(self.device)
         with sw("draft"):
             h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
-            base = self.drafter.base_logits(h, self.vocab)  # [b, P, Vd]
+            base = self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)  # [b, k, Vd]: the k returned
         with sw("refine"):
             result = self.refine_block(h, base, anchor, temperature, generator)
         with sw("draft"):
-            k = self.draft_tokens
-            tokens = self.vocab.to_target(result.tokens[:, :k])
-            q = None if result.q is None else self.vocab.to_target_probs(result.q[:, :k])
+            tokens = self.vocab.to_target(result.tokens)
+            q = None if result.q is None else self.vocab.to_target_probs(result.q)
         return Draft(tokens=tokens, q=q, timings=sw.pop(), stats={"iters": result.iters})
 
     def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
                      generator: torch.Generator | None = None) -> RefineResult:
-        """This method's tokens for drafter states h [b, P, H] and base logits [b, P, Vd] (draft ids)."""
+        """This method's tokens for the first k positions of a block: drafter states h [b, P, H] (all P:
+        the refiner reads their mean) and those positions' base logits [b, k, Vd] (draft ids; k <= P) ->
+        tokens [b, k]. Both heads are causal (position i reads the tokens before it and the block's states),
+        so the first k positions alone are refined, and are what the whole block's refinement gives them:
+        k sequential steps, or at most k Jacobi passes (Theorem 1), on k positions."""
+        (b, k, vd), p = base.shape, h.shape[1]
+        # T > 0: the whole block's Gumbel noise, of which the first k positions read theirs, so that the k
+        # tokens are the full draft's first k under the same generator
+        noise = None if temperature <= 0 else gumbel_noise((b, p, vd), generator, base.device)[:, :k]
         if self.method == "dflash":
-            noise = block_noise(base, temperature, generator)
             q = None if noise is None else distribution(base, temperature)
-            return RefineResult(select(base, temperature, noise), q,
-                                torch.zeros(base.shape[0], dtype=torch.int64, device=base.device))
+            iters = torch.zeros(b, dtype=torch.int64, device=base.device)
+            return RefineResult(select(base, temperature, noise), q, iters)
         correction = self.head.fold(h)
+        if k < p and self.method == "xpress":
+            correction = correction.first(k)
         logits_fn = corrected_logits(base, correction)
-        # both heads are causal (row i reads the tokens before it), so the first k = draft_tokens positions are
-        # final after k sequential steps or k Jacobi passes: the rest of the block is not refined
-        k = self.draft_tokens
         if self.method == "markov" or self.refine == "sequential":
-            return sequential_refine(logits_fn, base, anchor, temperature, generator, vocab=self.vocab, positions=k)
-        return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, generator, vocab=self.vocab)
+            return sequential_refine(logits_fn, base, anchor, temperature, noise=noise, vocab=self.vocab)
+        return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, noise=noise,
+                             vocab=self.vocab)
 
 
 # ------------------------------------------------------------------------------------- construction

@@ -37,29 +37,37 @@ namespace {
 // With XP_PREFETCH, kernels of one or two panels (three rows or more) fetch the next panels while computing
 // these: two streams from memory, not one (one sequential stream per core left a 4- or 8-row product
 // waiting on memory; the one-row kernel already reads four panels at once, and prefetching slowed it).
-template <int MR, int NP>
-inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+// SPREAD: the kernel instead prefetches the `lines` cache lines (16 floats each) from `pf` on, one at the start
+// of each of `lines` equal chunks of its K steps (a panel's row blocks share the next panel: linear_into).
+template <int MR, int NP, bool SPREAD = false>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
+                  const float* pf = nullptr, int64_t lines = 0) {
   __m256 acc[MR][NP][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
   const int64_t ps = K * 16;
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w0[NP], w1[NP];
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      w0[p] = _mm256_loadu_ps(w + p * ps + k * 16);
-      w1[p] = _mm256_loadu_ps(w + p * ps + k * 16 + 8);
-      if (XP_PREFETCH && NP <= 2) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + k * 16), _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+  const int64_t chunks = SPREAD && lines > 0 ? lines : 1;
+  for (int64_t c = 0; c < chunks; ++c) {  // k = 0 .. K-1 in order, whatever the chunks
+    if (SPREAD && lines > 0) _mm_prefetch(reinterpret_cast<const char*>(pf + c * 16), _MM_HINT_T0);
+    for (int64_t k = c * K / chunks, k1 = (c + 1) * K / chunks; k < k1; ++k) {
+      __m256 w0[NP], w1[NP];
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        acc[m][p][0] = _mm256_fmadd_ps(xb, w0[p], acc[m][p][0]);
-        acc[m][p][1] = _mm256_fmadd_ps(xb, w1[p], acc[m][p][1]);
+        w0[p] = _mm256_loadu_ps(w + p * ps + k * 16);
+        w1[p] = _mm256_loadu_ps(w + p * ps + k * 16 + 8);
+        if (XP_PREFETCH && NP <= 2 && !SPREAD)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + k * 16), _MM_HINT_T0);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          acc[m][p][0] = _mm256_fmadd_ps(xb, w0[p], acc[m][p][0]);
+          acc[m][p][1] = _mm256_fmadd_ps(xb, w1[p], acc[m][p][1]);
+        }
       }
     }
   }
@@ -72,33 +80,73 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
     }
 }
 
+// Panels p0..p1-1 for one block of MR rows: NP panels at a time, the rest in halves (NP = 4: 4s, a 2, a 1).
 template <int MR, int NP>
 void panels(const float* x, int64_t K, const float* W, int64_t p0, int64_t p1, float* o, int64_t N) {
   int64_t p = p0;
   for (; p + NP <= p1; p += NP) micro<MR, NP>(x, K, W + p * K * 16, K, o + p * 16, N);
-  for (; p < p1; ++p) micro<MR, 1>(x, K, W + p * K * 16, K, o + p * 16, N);
+  if constexpr (NP > 1) panels<MR, NP / 2>(x, K, W, p, p1, o, N);
 }
 
 constexpr int64_t PANELS_PER_TASK = 4;  // 64 output columns: what one row's kernel covers (micro<1, 4>)
+constexpr int64_t PANEL_MAJOR_X = 32768;  // floats of x (128 KB) up to which a product of > 6 rows goes panel by panel
 
-// out[M, N] = x[M, K] @ W.T for W packed [N / 16, K, 16]; threads split the output columns.
+// Rows m .. m+5 of x (fewer at the end) against panels p0..p1-1, NP panels at a time.
+inline void row_block(const float* x, int64_t M, int64_t m, int64_t K, const float* W, int64_t p0, int64_t p1,
+                      float* o, int64_t N) {
+  const float* xm = x + m * K;
+  float* om = o + m * N;
+  switch (std::min<int64_t>(6, M - m)) {
+    case 6: panels<6, 1>(xm, K, W, p0, p1, om, N); break;
+    case 5: panels<5, 1>(xm, K, W, p0, p1, om, N); break;
+    case 4: panels<4, 1>(xm, K, W, p0, p1, om, N); break;
+    case 3: panels<3, 2>(xm, K, W, p0, p1, om, N); break;
+    case 2: panels<2, 3>(xm, K, W, p0, p1, om, N); break;
+    default: panels<1, 4>(xm, K, W, p0, p1, om, N); break;
+  }
+}
+
+// Every block of 6 rows (fewer at the end) against the one panel at w, each block prefetching its share of
+// the K lines of the next panel, so that memory streams the next panel while all the rows use this one.
+inline void panel_all_rows(const float* x, int64_t M, int64_t K, const float* w, float* o, int64_t N) {
+  const int64_t blocks = (M + 5) / 6;
+  const float* next = w + K * 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t m = 6 * b, l0 = b * K / blocks, lines = (b + 1) * K / blocks - l0;
+    const float* xm = x + m * K;
+    float* om = o + m * N;
+    const float* pf = next + l0 * 16;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: micro<6, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+      case 5: micro<5, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+      case 4: micro<4, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+      case 3: micro<3, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+      case 2: micro<2, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+      default: micro<1, 1, true>(xm, K, w, K, om, N, pf, lines); break;
+    }
+  }
+}
+
+// out[M, N] = x[M, K] @ W.T for W packed [N / 16, K, 16]; threads split the output columns. Up to 6 rows
+// (a step, a short verify) the tasks are groups of PANELS_PER_TASK panels, at::parallel_for handing each
+// thread a run of whole groups. Past 6 rows, while x fits in cache (a verify of 8 or 16 rows), each panel
+// serves every row block before the next one (panel_all_rows), so that memory streams the next panel while
+// the rows use this one, and the threads take equal runs of panels (36 panels go 18 + 18, not 5 + 4 groups).
+// Larger products (regeneration's batches) walk a group of panels once per row block, from cache. No order
+// changes a single output element's sequence of operations. (Equal runs at one row measured slower: the
+// runs' ends fall off the four-panel kernel.)
 void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* o) {
   const int64_t P = N / 16;
+  if (M > 6 && M * K <= PANEL_MAJOR_X) {
+    at::parallel_for(0, P, PANELS_PER_TASK, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) panel_all_rows(x, M, K, W + p * K * 16, o + p * 16, N);
+    });
+    return;
+  }
   at::parallel_for(0, (P + PANELS_PER_TASK - 1) / PANELS_PER_TASK, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * PANELS_PER_TASK, p1 = std::min(P, p0 + PANELS_PER_TASK);
-      for (int64_t m = 0; m < M; m += 6) {  // the panels stay in cache while every row block passes
-        const float* xm = x + m * K;
-        float* om = o + m * N;
-        switch (std::min<int64_t>(6, M - m)) {
-          case 6: panels<6, 1>(xm, K, W, p0, p1, om, N); break;
-          case 5: panels<5, 1>(xm, K, W, p0, p1, om, N); break;
-          case 4: panels<4, 1>(xm, K, W, p0, p1, om, N); break;
-          case 3: panels<3, 2>(xm, K, W, p0, p1, om, N); break;
-          case 2: panels<2, 3>(xm, K, W, p0, p1, om, N); break;
-          default: panels<1, 4>(xm, K, W, p0, p1, om, N); break;
-        }
-      }
+      for (int64_t m = 0; m < M; m += 6) row_block(x, M, m, K, W, p0, p1, o, N);  // panels stay in cache
     }
   });
 }
