@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from xpress import paths
+from xpress import continuous, paths
 from xpress.__main__ import main
 from xpress.config import load_config
 from xpress.targets import target_forward
@@ -175,6 +175,7 @@ def test_masks_splits_and_manifest(data, small_cfg, reference, target):
     assert m["response_tokens"]["train"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in train)
     assert m["feature_bytes_per_token"] == 2 * target.feature_size + 2 * target.hidden_size + 4
     assert m["shards"] == N_SHARDS and m["this_run"]["shards_generated"] == N_SHARDS
+    assert m["this_run"]["engine"] == ("continuous" if continuous.available(target) else "batched")
     assert sum(m["finish_reasons"].values()) == 10
     assert {"preset", "git_revision", "date", "machine", "torch"} <= set(m["provenance"])
     assert m["provenance"]["preset"] == "smoke"
@@ -279,6 +280,29 @@ def test_data_are_stamped_with_the_forward_that_wrote_them(tmp_path, small_cfg, 
     with pytest.raises(RegenerationError, match="runs the lean forward.*target.runtime=lean"):
         regenerate(tf, target=target, progress=False)
     assert not list(_folder(tmp_path).glob("shard-*"))
+
+
+def test_both_engines_answer_greedily(tmp_path, reference, small_cfg, target, monkeypatch):
+    """``data.regen_engine``: the continuous engine's answers are each prompt's batch-1 greedy decode exactly;
+    the ragged batches (the old engine, kept reachable) write complete data the same checks accept, and the
+    manifest says which engine ran."""
+    from xpress.decoding import generate_ar
+
+    monkeypatch.setattr(paths, "DATA", reference.parents[1])
+    data = RegenData.load(small_cfg)
+    if continuous.available(target):
+        for i in range(len(data)):
+            p = data.prompt_len[i]
+            ref = generate_ar(target, data.input_ids[i][:p], small_cfg.data.regen_max_new_tokens)
+            assert data.input_ids[i][p:] == ref.token_ids, i
+    batched = load_config("smoke", [*SMALL, "data.regen_engine=batched"])
+    assert config_hash(regen_signature(batched)) == config_hash(regen_signature(small_cfg))
+    monkeypatch.setattr(paths, "DATA", tmp_path / "data")
+    m = regenerate(batched, target=target, progress=False)
+    assert m["this_run"]["engine"] == "batched" and m["sequences"] == {"train": 8, "val": 2}
+    other = RegenData.load(batched)
+    assert other.ids == data.ids and other.prompt_len == data.prompt_len
+    assert all(check_sequence(other, target, i)["ok"] for i in (0, 5, 9))
 
 
 # ------------------------------------------------------------------------------------ several processes

@@ -46,6 +46,28 @@ def test_draft_length_study_rows_and_table(cfg, target, tmp_path, monkeypatch):
     assert f"({best['tokens_per_s']:.1f} tokens/s against AR's {ar['tokens_per_s']:.1f})" in line  # the method's rate
 
 
+def test_regen_speed_study_times_both_engines_on_the_same_answers(cfg, target, tmp_path, monkeypatch):
+    """Every engine and batch size answers the same prompts; the continuous engine equals itself across batch
+    sizes and batch-1 AR; the ratio column is against the ragged batches' median."""
+    import xpress.paths
+    from xpress import continuous
+    from xpress.studies.regen_speed import run_regen_speed
+
+    if not continuous.available(target):
+        pytest.skip("the fused CPU kernels are not available here")
+    monkeypatch.setattr(xpress.paths, "RESULTS", tmp_path)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, regen_max_new_tokens=8))
+    res = run_regen_speed(cfg, target, n_prompts=5, repeats=2, batches=(1, 3), check=2, progress=False)
+    assert [(r["engine"], r["batch_size"]) for r in res["table"]] == [("batched", cfg.data.regen_batch_size),
+                                                                       ("continuous", 1), ("continuous", 3)]
+    assert len(res["rows"]) == 2 * 3 and res["continuous_equal_across_batch_sizes"] and res["continuous_equals_batch1_ar"]
+    for r in res["table"][1:]:
+        assert r["answers_equal_to_continuous"] == 5 and r["answers_equal_to_batch1_ar"] == 2
+    batched = sorted(r["tokens_per_s"] for r in res["rows"] if r["engine"] == "batched")
+    assert res["table"][0]["ratio_to_batched"] == 1.0 and res["table"][0]["tokens_per_s"] == sum(batched) / 2
+    assert (tmp_path / cfg.preset / "regen_speed.json").is_file() and res["provenance"]["git_revision"]
+
+
 def test_select_notebooks():
     assert select() == notebooks() and [p.name[:2] for p in notebooks()] == sorted(p.name[:2] for p in notebooks())
     assert [p.name for p in select(["03"])] == ["03_cotraining.ipynb"]

@@ -127,7 +127,11 @@ class DataConfig:
     n_val_prompts: int = 16  # regenerated held-out sequences (validation split, never trained on)
     regen_max_new_tokens: int = 256
     regen_max_prompt_tokens: int = 256  # longer training prompts are skipped
-    regen_batch_size: int = 16  # prompts decoded together (ragged batch) during regeneration
+    regen_batch_size: int = 16  # prompts decoded together during regeneration
+    # continuous: each sequence in its own cache row, a finished one's row refilled at once, every sequence
+    # bit for bit its batch-1 greedy decode (needs the fused CPU kernels); batched: left-padded ragged batches
+    # run until their last row ends; auto: continuous where the target runs the fused kernels
+    regen_engine: str = "auto"
     regen_shard_size: int = 64  # prompts per shard on disk (the unit of resume)
     cache_features: bool = True  # store the target's features and readout during regeneration
 
@@ -225,6 +229,8 @@ class Config:
                "data sizes must be >= 0")
         _check(self.data.regen_batch_size >= 1 and self.data.regen_shard_size >= 1,
                "data.regen_batch_size and data.regen_shard_size must be at least 1")
+        _check(self.data.regen_engine in ("auto", "continuous", "batched"),
+               f"data.regen_engine={self.data.regen_engine!r}: use auto, continuous or batched")
         _check(self.train.batch_size >= 1 and self.train.anchors_per_seq >= 1,
                "train.batch_size and train.anchors_per_seq must be at least 1")
         _check(self.train.max_len > self.drafter.block_size,

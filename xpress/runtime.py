@@ -166,6 +166,11 @@ class StaticKV:
         The dropped columns stay in the buffer (masked, overwritten by the next write)."""
         self.length = self.length + max_length if max_length < 0 else min(self.length, max_length)
 
+    def row(self, r: int) -> "StaticKV":
+        """Row ``r`` as a one-row cache over the same storage, empty (length 0) and of fixed capacity: what a
+        one-sequence forward (:meth:`LeanModel.prefill_row`) writes into it lands in row ``r`` of this cache."""
+        return _RowKV(self, r)
+
     def gather_columns(self, idx: torch.Tensor) -> None:
         """Row i keeps cache columns ``idx[i]`` [b, kept] in that order (ragged-batch compaction)."""
         kept = idx.shape[1]
@@ -175,6 +180,19 @@ class StaticKV:
             for t in store:
                 t[:, :, :kept] = t[:, :, :self.length].gather(2, g)
         self.length = kept
+
+
+class _RowKV(StaticKV):
+    """One row of a :class:`StaticKV` (:meth:`StaticKV.row`): views of its buffers, which it cannot grow."""
+
+    def __init__(self, cache: StaticKV, r: int) -> None:  # noqa: D107 (no super().__init__: no new buffers)
+        self.shape, self.dtype, self.device, self.length = (1, *cache.shape[1:]), cache.dtype, cache.device, 0
+        self.keys = [t[r:r + 1] for t in cache.keys]
+        self.values = [t[r:r + 1] for t in cache.values]
+
+    def reserve(self, length: int) -> None:
+        if length > self.capacity:
+            raise ValueError(f"a cache row holds {self.capacity} columns, {length} were asked: allocate a larger cache")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -401,6 +419,52 @@ class LeanModel:
             else:
                 features = None
         return logits, features
+
+    # ------------------------------------------------------------------ one cache row per sequence
+    def prefill_row(self, ids: torch.Tensor, cache: StaticKV, row: int, feature_layers: list[int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run one sequence's ids [n] from position 0 into row ``row`` of ``cache`` (what the row held is
+        overwritten) with the fused kernels, exactly as :meth:`forward` runs it alone. Returns the final-normed
+        hidden states [n, H], the last position's logits [V] float32 and the features after
+        ``feature_layers`` [n, len(feature_layers) H] (None without)."""
+        if self.kernels is None:
+            raise RuntimeUnsupported("prefill_row runs the fused kernels (target.kernels=fused, float32)")
+        n = ids.shape[0]
+        view = cache.row(row)
+        view.reserve(n)  # a row cannot grow: refuses a prompt longer than the cache
+        pos = torch.arange(n, device=ids.device)[None]  # [1, n]
+        normed, feats = [], []
+        for s in range(0, n, ROW_CHUNK):
+            h, f = self._fused_block(ids[None, s:s + ROW_CHUNK], view, pos[:, s:s + ROW_CHUNK], None, feature_layers)
+            normed.append(self._final_norm(h, True)[0])
+            if f is not None:
+                feats.append(f[0])
+        normed = normed[0] if len(normed) == 1 else torch.cat(normed)
+        logits = self.kernels.linear(normed[-1:].contiguous(), self.lm_head_fused[0])[0]
+        return normed, logits, (None if feature_layers is None else torch.cat(feats) if len(feats) > 1 else feats[0])
+
+    def step_rows(self, tokens: torch.Tensor, cache: StaticKV, rows: torch.Tensor, lengths: torch.Tensor,
+                  feature_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One new token for each of m sequences: ``tokens`` [m] go after the ``lengths`` [m] cached columns of
+        rows ``rows`` [m] (distinct, int64) of ``cache``, whose keys and values they write at column
+        ``lengths[i]`` (the caller advances the lengths). Each token's numbers are bit for bit those of a
+        one-token :meth:`forward` of its sequence alone (``layer_rows`` in xpress/csrc/fused_cpu.cpp). Returns
+        the final-normed hidden states [m, H], the logits [m, V] float32 and the features [m, F] (or None)."""
+        if self.kernels is None:
+            raise RuntimeUnsupported("step_rows runs the fused kernels (target.kernels=fused, float32)")
+        rot = torch.view_as_real(self._rope_table(int(lengths.max()) + 1)[lengths]).contiguous()  # [m, hd / 2, 2]
+        h = self.embed[tokens].float()  # [m, H]
+        want = set(feature_layers or ())
+        feats = {}
+        for i, lw in enumerate(self.layers):
+            wqkv, wo, wgu, wd = lw.fused
+            h = self.kernels.layer_rows(h, lw.ln1, wqkv, wo, lw.ln2, wgu, wd, rot, cache.keys[i], cache.values[i],
+                                        rows, lengths, self.n_heads, self.n_kv, self.eps)
+            if i in want:
+                feats[i] = h
+        normed = self.kernels.rms_norm(h, self.norm, self.eps)
+        logits = self.kernels.linear(normed, self.lm_head_fused[0])
+        return normed, logits, (torch.cat([feats[j] for j in feature_layers], -1) if feature_layers else None)
 
     def _final_norm(self, h: torch.Tensor, fused: bool) -> torch.Tensor:
         """The final RMSNorm of h [b, n, H] float32, in the matmul dtype (the fused kernel's at batch 1)."""

@@ -305,6 +305,103 @@ void check(const torch::Tensor& t, const char* name) {
               ": a contiguous float32 CPU tensor is required");
 }
 
+// Attention of rows r0..r1-1 of one sequence for key-value head kh: row i sits at cache column L + i and
+// reads columns 0..L+i of kb / vb (that head's keys and values, [cap, hd]); its g query heads are at
+// qkv + i * Q + (kh * g + j) * hd, its outputs go to att + i * nh * hd + (kh * g + j) * hd. Each pass walks the
+// columns in tiles of COLS, so that a tile of keys or values stays in L1 while every row of the block reads it.
+void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
+            int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t D = hd / 8, R = (r1 - r0) * g;
+  const int64_t width = L + r1;  // columns the last row of the block sees
+  std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R);
+  for (int64_t c0 = 0; c0 < width; c0 += COLS)  // scores s[r][c] = q_r . k_c * scale
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t c1 = std::min(c0 + COLS, L + i + 1);
+      for (int64_t j = 0; c0 < c1 && j < g; ++j)
+        scores(qkv + i * Q + (kh * g + j) * hd, kb, hd, c0, c1, scale, s.data() + ((i - r0) * g + j) * width);
+    }
+  for (int64_t i = r0; i < r1; ++i)  // s[r][c] <- exp(s[r][c] - max), den[r] = their sum
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - r0) * g + j;
+      den[r] = softmax_numerators(s.data() + r * width, L + i + 1);
+    }
+  for (int64_t c0 = 0; c0 < width; c0 += COLS)  // num[r] += s[r][c] * v_c, the g heads of a row together
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t c1 = std::min(c0 + COLS, L + i + 1);
+      for (int64_t j = 0; c0 < c1 && j < g; j += 3) {
+        const int64_t r = (i - r0) * g + j;
+        switch (std::min<int64_t>(3, g - j)) {
+          case 3: value_sums<3>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+          case 2: value_sums<2>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+          default: value_sums<1>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+        }
+      }
+    }
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = (i - r0) * g + j;
+      const __m256 inv = _mm256_set1_ps(1.0f / den[r]);
+      float* o = att + i * nh * hd + (kh * g + j) * hd;
+      for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num.data() + r * hd + d * 8), inv));
+    }
+}
+
+// One decoder layer on the residual stream h [n, H] (a new tensor is returned) around two callbacks:
+// put_kv(i, k, v) stores row i's nkv rotated keys and values (hd floats each, heads adjacent), and
+// attention(qkv, Q, att) fills att [n, nh hd] from the rows' rotated q / k / v [n, Q]. Every other step is
+// per row in a fixed order, and the products are row-invariant (linear_into).
+template <class PutKV, class Attention>
+torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
+                            const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
+                            const torch::Tensor& wd, const torch::Tensor& rot, int64_t nh, int64_t nkv, int64_t hd,
+                            double eps, PutKV put_kv, Attention attention) {
+  const int64_t n = h_in.size(0), H = h_in.size(1);
+  const int64_t Q = (nh + 2 * nkv) * hd, I = wd.size(1);
+  TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && wgu.size(0) * 16 == 2 * I && rot.size(0) == n,
+              "layer: shapes");
+  const float fe = static_cast<float>(eps);
+  auto h = h_in.clone();
+  float* hp = h.data_ptr<float>();
+  std::vector<float> x(static_cast<size_t>(n * std::max(H, I))), qkv(static_cast<size_t>(n * Q));
+  std::vector<float> att(static_cast<size_t>(n * nh * hd)), big(static_cast<size_t>(n * 2 * I));
+  // attention block
+  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln1.data_ptr<float>(), x.data() + i * H, H, fe);
+  linear_into(x.data(), n, H, wqkv.data_ptr<float>(), Q, qkv.data());
+  const float* rp = rot.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = qkv.data() + i * Q;
+    const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
+    for (int64_t head = 0; head < nh + nkv; ++head) {  // RoPE on q and k: (a + ib)(c + is)
+      float* v = row + head * hd;
+      for (int64_t j = 0; j < hd / 2; ++j) {
+        const float a = v[2 * j], b = v[2 * j + 1], c = r[2 * j], s = r[2 * j + 1];
+        v[2 * j] = a * c - b * s;
+        v[2 * j + 1] = a * s + b * c;
+      }
+    }
+    put_kv(i, row + nh * hd, row + (nh + nkv) * hd);
+  }
+  attention(qkv.data(), Q, att.data());
+  linear_into(att.data(), n, nh * hd, wo.data_ptr<float>(), H, x.data());
+  for (int64_t j = 0; j < n * H; ++j) hp[j] += x[j];
+  // MLP block
+  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln2.data_ptr<float>(), x.data() + i * H, H, fe);
+  linear_into(x.data(), n, H, wgu.data_ptr<float>(), 2 * I, big.data());
+  std::vector<float> en(static_cast<size_t>(I));
+  for (int64_t i = 0; i < n; ++i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
+    const float* gate = big.data() + i * 2 * I;
+    float* act = x.data() + i * I;
+    for (int64_t j = 0; j < I; ++j) act[j] = -gate[j];
+    exp_row(act, en.data(), I);
+    for (int64_t j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + en[j]) * gate[I + j];
+  }
+  std::vector<float> down(static_cast<size_t>(n * H));
+  linear_into(x.data(), n, I, wd.data_ptr<float>(), H, down.data());
+  for (int64_t j = 0; j < n * H; ++j) hp[j] += down[j];
+  return h;
+}
+
 }  // namespace
 
 // [N, K] -> [N / 16, K, 16]: each panel of 16 output columns contiguous over k
@@ -346,99 +443,67 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
                     int64_t L, int64_t nh, int64_t nkv, double eps) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &rot, &keys, &values})
     check(*t, "layer input");
-  const int64_t n = h_in.size(0), H = h_in.size(1), hd = keys.size(2), cap = keys.size(1);
-  const int64_t g = nh / nkv, Q = (nh + 2 * nkv) * hd, I = wd.size(1);
-  TORCH_CHECK(L + n <= cap && keys.size(0) == nkv && hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && wgu.size(0) * 16 == 2 * I,
-              "layer: shapes");
-  const float fe = static_cast<float>(eps);
-  auto h = h_in.clone();
-  float* hp = h.data_ptr<float>();
-  std::vector<float> x(static_cast<size_t>(n * std::max(H, I))), qkv(static_cast<size_t>(n * Q));
-  std::vector<float> att(static_cast<size_t>(n * nh * hd)), big(static_cast<size_t>(n * 2 * I));
-  // attention block
-  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln1.data_ptr<float>(), x.data() + i * H, H, fe);
-  linear_into(x.data(), n, H, wqkv.data_ptr<float>(), Q, qkv.data());
-  const float* rp = rot.data_ptr<float>();
+  const int64_t n = h_in.size(0), hd = keys.size(2), cap = keys.size(1), g = nh / nkv;
+  TORCH_CHECK(L + n <= cap && keys.size(0) == nkv, "layer: shapes");
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = qkv.data() + i * Q;
-    const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
-    for (int64_t head = 0; head < nh + nkv; ++head) {  // RoPE on q and k: (a + ib)(c + is)
-      float* v = row + head * hd;
-      for (int64_t j = 0; j < hd / 2; ++j) {
-        const float a = v[2 * j], b = v[2 * j + 1], c = r[2 * j], s = r[2 * j + 1];
-        v[2 * j] = a * c - b * s;
-        v[2 * j + 1] = a * s + b * c;
-      }
-    }
+  auto put_kv = [&](int64_t i, const float* k, const float* v) {
     for (int64_t kh = 0; kh < nkv; ++kh) {
-      std::copy(row + (nh + kh) * hd, row + (nh + kh + 1) * hd, kp + (kh * cap + L + i) * hd);
-      std::copy(row + (nh + nkv + kh) * hd, row + (nh + nkv + kh + 1) * hd, vp + (kh * cap + L + i) * hd);
+      std::copy(k + kh * hd, k + (kh + 1) * hd, kp + (kh * cap + L + i) * hd);
+      std::copy(v + kh * hd, v + (kh + 1) * hd, vp + (kh * cap + L + i) * hd);
     }
-  }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t D = hd / 8;
-  // one task per key-value head and block of rows; each pass walks the columns in tiles of COLS, so that a
-  // tile of keys or values stays in L1 while every row of the block that sees it reads it
-  const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
-  const int64_t blocks = (n + RB - 1) / RB;
-  at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB), R = (r1 - r0) * g;
-      const int64_t width = L + r1;  // columns the last row of the block sees
-      const float* kb = kp + kh * cap * hd;
-      const float* vb = vp + kh * cap * hd;
-      std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R);
-      for (int64_t c0 = 0; c0 < width; c0 += COLS)  // scores s[r][c] = q_r . k_c * scale
-        for (int64_t i = r0; i < r1; ++i) {
-          const int64_t c1 = std::min(c0 + COLS, L + i + 1);
-          for (int64_t j = 0; c0 < c1 && j < g; ++j)
-            scores(qkv.data() + i * Q + (kh * g + j) * hd, kb, hd, c0, c1, scale, s.data() + ((i - r0) * g + j) * width);
-        }
-      for (int64_t i = r0; i < r1; ++i)  // s[r][c] <- exp(s[r][c] - max), den[r] = their sum
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - r0) * g + j;
-          den[r] = softmax_numerators(s.data() + r * width, L + i + 1);
-        }
-      for (int64_t c0 = 0; c0 < width; c0 += COLS)  // num[r] += s[r][c] * v_c, the g heads of a row together
-        for (int64_t i = r0; i < r1; ++i) {
-          const int64_t c1 = std::min(c0 + COLS, L + i + 1);
-          for (int64_t j = 0; c0 < c1 && j < g; j += 3) {
-            const int64_t r = (i - r0) * g + j;
-            switch (std::min<int64_t>(3, g - j)) {
-              case 3: value_sums<3>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
-              case 2: value_sums<2>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
-              default: value_sums<1>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
-            }
-          }
-        }
-      for (int64_t i = r0; i < r1; ++i)
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = (i - r0) * g + j;
-          const __m256 inv = _mm256_set1_ps(1.0f / den[r]);
-          float* o = att.data() + i * nh * hd + (kh * g + j) * hd;
-          for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num.data() + r * hd + d * 8), inv));
-        }
+  };
+  // one task per key-value head and block of rows
+  auto attention = [&](const float* qkv, int64_t Q, float* att) {
+    const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
+    const int64_t blocks = (n + RB - 1) / RB;
+    at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB);
+        attend(qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att);
+      }
+    });
+  };
+  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, rot, nh, nkv, hd, eps, put_kv, attention);
+}
+
+// One decoder layer for m sequences of one new token each, every sequence with its own cache row: token i
+// belongs to row rows[i] of keys / values [B, nkv, cap, hd], whose first lengths[i] columns are its context;
+// its key and value go to column lengths[i]. Token i's arithmetic is exactly that of layer() for its sequence
+// alone (the same attend(), row-invariant products), so a batch of sequences decodes each one bit for bit as
+// a one-sequence step would, with any number of others beside it and no padding.
+torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
+                         const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
+                         const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
+                         const torch::Tensor& rows, const torch::Tensor& lengths, int64_t nh, int64_t nkv, double eps) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &rot, &keys, &values})
+    check(*t, "layer_rows input");
+  const int64_t m = h_in.size(0), B = keys.size(0), cap = keys.size(2), hd = keys.size(3), g = nh / nkv;
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == nkv && rows.scalar_type() == torch::kInt64 &&
+              lengths.scalar_type() == torch::kInt64 && rows.numel() == m && lengths.numel() == m &&
+              rows.is_contiguous() && lengths.is_contiguous(), "layer_rows: shapes");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < B && lp[i] >= 0 && lp[i] < cap, "layer_rows: a row or length out of range");
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  auto head = [&](float* base, int64_t i, int64_t kh) { return base + ((rp[i] * nkv + kh) * cap) * hd; };
+  auto put_kv = [&](int64_t i, const float* k, const float* v) {
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      std::copy(k + kh * hd, k + (kh + 1) * hd, head(kp, i, kh) + lp[i] * hd);
+      std::copy(v + kh * hd, v + (kh + 1) * hd, head(vp, i, kh) + lp[i] * hd);
     }
-  });
-  linear_into(att.data(), n, nh * hd, wo.data_ptr<float>(), H, x.data());
-  for (int64_t j = 0; j < n * H; ++j) hp[j] += x[j];
-  // MLP block
-  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln2.data_ptr<float>(), x.data() + i * H, H, fe);
-  linear_into(x.data(), n, H, wgu.data_ptr<float>(), 2 * I, big.data());
-  std::vector<float> en(static_cast<size_t>(I));
-  for (int64_t i = 0; i < n; ++i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
-    const float* gate = big.data() + i * 2 * I;
-    float* act = x.data() + i * I;
-    for (int64_t j = 0; j < I; ++j) act[j] = -gate[j];
-    exp_row(act, en.data(), I);
-    for (int64_t j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + en[j]) * gate[I + j];
-  }
-  std::vector<float> down(static_cast<size_t>(n * H));
-  linear_into(x.data(), n, I, wd.data_ptr<float>(), H, down.data());
-  for (int64_t j = 0; j < n * H; ++j) hp[j] += down[j];
-  return h;
+  };
+  auto attention = [&](const float* qkv, int64_t Q, float* att) {  // one task per sequence and key-value head
+    at::parallel_for(0, m * nkv, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t / nkv, kh = t % nkv;
+        attend(qkv + i * Q, Q, head(kp, i, kh), head(vp, i, kh), hd, lp[i], 0, 1, kh, g, nh, att + i * nh * hd);
+      }
+    });
+  };
+  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, rot, nh, nkv, hd, eps, put_kv, attention);
 }
 
 // ------------------------------------------------------------------------------------- machine roof
@@ -484,6 +549,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("layer_rows", &layer_rows, "one Llama decoder layer for one new token of each of several cached sequences");
   m.def("parallel_threads", &parallel_threads, "threads that ran one at::parallel_for over n items");
   m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
 }

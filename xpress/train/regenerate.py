@@ -11,9 +11,13 @@ trained on. Prompts longer than ``data.regen_max_prompt_tokens`` (at most ``trai
 data.regen_max_new_tokens``) tokens are skipped, so that answers fit a training window; the manifest
 counts them.
 
-Generation runs through the decoding engine's ragged batches (:func:`xpress.decoding.generate_ar_batch`).
-With ``data.cache_features`` the target's states are captured *during* that generation by forward hooks
-(:func:`capture_target_states`), so training never runs the target:
+Generation (``data.regen_engine``, :func:`regen_engine`) runs, where the target runs the fused CPU kernels,
+with continuous batching (:func:`xpress.continuous.generate_greedy`: each sequence in its own cache row, a
+finished row refilled at once, every answer bit for bit its batch-1 greedy decode whatever the batch), else
+through the decoding engine's ragged batches (:func:`xpress.decoding.generate_ar_batch`). With
+``data.cache_features`` the target's states are captured *during* that generation (the continuous engine
+keeps them per sequence; for ragged batches forward hooks or the lean runtime's record,
+:func:`capture_target_states`), so training never runs the target:
 
 - ``features`` [T, F] float16: the drafter's context feature of every token (the selected layers'
   outputs, concatenated; :func:`xpress.targets.target_forward` computes the same);
@@ -208,6 +212,46 @@ def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
     return kept, skipped
 
 
+def regen_engine(cfg: Config, target) -> str:
+    """The engine ``data.regen_engine`` resolves to for ``target``: ``continuous`` (:mod:`xpress.continuous`,
+    where the target runs the fused CPU kernels) or ``batched`` (left-padded ragged batches through
+    :func:`~xpress.decoding.generate_ar_batch`)."""
+    from ..continuous import available
+
+    engine = cfg.data.regen_engine
+    if engine == "auto":
+        return "continuous" if available(target) else "batched"
+    if engine == "continuous" and not available(target):
+        raise RegenerationError("data.regen_engine=continuous needs the lean runtime on the fused CPU kernels (a "
+                                "float32 Llama target on an AVX2 CPU); set data.regen_engine=auto or batched")
+    return engine
+
+
+def _shard_results(target, cfg: Config, shards: dict[int, list[dict]]
+                   ) -> Iterator[tuple[int, dict[str, list], dict[str, np.ndarray]]]:
+    """``(shard index, table, arrays)`` for each of ``shards`` (index -> records) as it is complete.
+
+    ``batched``: shard by shard, in ragged batches of prompts of similar length. ``continuous``: the prompts
+    of every shard in one stream (shard order), so that the batch stays full across shard boundaries; a
+    shard is yielded once its last answer is in."""
+    if regen_engine(cfg, target) == "batched":
+        for i, records in shards.items():
+            yield i, *_generate_shard(target, cfg, records)
+        return
+    from ..continuous import generate_greedy
+
+    flat = [(i, j) for i, records in shards.items() for j in range(len(records))]
+    results: dict[int, dict[int, tuple]] = {i: {} for i in shards}
+    layers = list(target.layer_ids) if cfg.data.cache_features else None
+    for f in generate_greedy(target, [shards[i][j]["prompt_ids"] for i, j in flat], cfg.data.regen_max_new_tokens,
+                             cfg.data.regen_batch_size, capture_layers=layers):
+        i, j = flat[f.index]
+        states = {"features": f.features, "hidden": f.hidden, "lse": f.lse} if layers is not None else None
+        results[i][j] = (f.token_ids, f.finish_reason, states)
+        if len(results[i]) == len(shards[i]):
+            yield i, *_shard_table(shards[i], results.pop(i))
+
+
 def _generate_shard(target, cfg: Config, records: list[dict]) -> tuple[dict[str, list], dict[str, np.ndarray]]:
     """Regenerate one shard's prompts in ragged batches (prompts of similar length together)."""
     from ..decoding import generate_ar_batch
@@ -227,6 +271,13 @@ def _generate_shard(target, cfg: Config, records: list[dict]) -> tuple[dict[str,
             rows = [None] * len(gens)
         for i, g, r in zip(idx, gens, rows):
             results[i] = (g.token_ids, g.finish_reason, r)
+    return _shard_table(records, results)
+
+
+def _shard_table(records: list[dict], results: dict[int, tuple[list[int], str, dict | None]]
+                 ) -> tuple[dict[str, list], dict[str, np.ndarray]]:
+    """A shard's table (one row per record, in order) and its stacked captured states, from ``results``:
+    record index -> (answer tokens, finish reason, captured states or None)."""
     table: dict[str, list] = {k: [] for k in ("id", "split", "input_ids", "loss_mask", "prompt_len",
                                               "finish_reason", "offset")}
     arrays: dict[str, list[np.ndarray]] = {"features": [], "hidden": [], "lse": []}
@@ -353,13 +404,13 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
     bar = tqdm(total=len(records), initial=on_disk(), unit="prompt", dynamic_ncols=True,
                desc=f"regenerate {cfg.preset}" + (f" ({world} processes)" if world > 1 else ""),
                disable=not (progress and main))
+    engine = regen_engine(cfg, target)
     new_tokens, gen_s = 0, 0.0
+    t0 = time.perf_counter()
     try:
-        for i in mine:
-            t0 = time.perf_counter()
-            table, arrays = _generate_shard(target, cfg, shards[i])
+        for i, table, arrays in _shard_results(target, cfg, {i: shards[i] for i in mine}):
             _write_shard(folder / _shard_name(i), table, arrays)
-            gen_s += time.perf_counter() - t0
+            gen_s = time.perf_counter() - t0
             new_tokens += sum(len(x) - p for x, p in zip(table["input_ids"], table["prompt_len"]))
             bar.update(on_disk() - bar.n)
             bar.set_postfix(tok_s=f"{new_tokens / max(gen_s, 1e-9):.0f}", shard=f"{i + 1}/{len(shards)}")
@@ -394,7 +445,8 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
             "disk_bytes": disk,
             "this_run": {"new_response_tokens": tok, "seconds": time.perf_counter() - t_start,
                          "generation_seconds": wall, "tokens_per_s": tok / wall if wall else None,
-                         "shards_generated": len(todo), "processes": len(ran)},
+                         "shards_generated": len(todo), "processes": len(ran), "engine": engine,
+                         "batch_size": cfg.data.regen_batch_size},
             "provenance": provenance(cfg.preset, **machine),
         }
         atomic_write_json(folder / MANIFEST, manifest)
