@@ -30,7 +30,8 @@ reproduce: setup
 
 # The oracle ceiling (AR vs a perfect drafter at B = 16, and AR vs transformers' generate()), then
 # the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
-# training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup.
+# training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup;
+# the resolution study, the verify-length study and regeneration's two engines timed side by side.
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
 	train.anchors_per_seq=32 train.tv_weight=0
@@ -39,6 +40,7 @@ studies: setup
 	$(BIN)/python -m xpress.studies.levers --preset $(PRESET) --steps $(LEVER_STEPS) $(LEVERS)
 	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) eval.repeats=1
+	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \

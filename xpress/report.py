@@ -189,6 +189,21 @@ def _draft_length_section(dl: dict) -> list[str]:
     return out
 
 
+def _regen_speed_section(rs: dict) -> list[str]:
+    """Regeneration's two engines timed in one run (``regen_speed.json``), one row per engine and batch size."""
+    out = [f"**Regeneration engines** (`regen_speed.json`, `{rs['command']}`; the first {rs['prompts']} regeneration "
+           f"prompts, at most {rs['max_new_tokens']} new tokens, states captured, engines interleaved, "
+           f"{rs['repeats']} repeat(s); {_where(rs['provenance'])}): the continuous engine's answers equal batch-1 AR's "
+           f"({rs['checked_against_ar']} prompts checked): {rs['continuous_equals_batch1_ar']}; equal across its batch "
+           f"sizes: {rs['continuous_equal_across_batch_sizes']}.", "",
+           "| engine | batch | response tokens/s (median) | vs ragged batches | answers equal to the continuous engine's |",
+           "|---|---|---|---|---|"]
+    for r in rs["table"]:
+        out.append(f"| {r['engine']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['ratio_to_batched']:.2f}x | "
+                   f"{r['answers_equal_to_continuous']}/{rs['prompts']} |")
+    return out + [""]
+
+
 def _latency_section(lat: dict) -> list[str]:
     """``latency.json`` (notebook 05) read defensively: its table's columns as stored."""
     from .plots import records
@@ -313,7 +328,8 @@ def _batched_section(b: dict) -> list[str]:
 
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
-STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json")
+STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
+               "regen_speed.json")
 
 
 def _origin_section(preset: str, folder: Path) -> list[str]:
@@ -388,6 +404,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
             out.append(f"| {s} | {t['method']} | {t['step']} | {t['seconds']:.0f} | {last.get('loss', float('nan')):.3f} | "
                        f"{last.get('tf_tau', float('nan')):.2f} | {'-' if val is None else f'{val:.2f}'} |")
         out.append("")
+    regen = _load(folder, "regen_speed.json")
+    if regen:
+        out += _regen_speed_section(regen)
     if ceiling:
         out += [f"Oracle drafter ceiling (`oracle_ceiling.json`, `python -m xpress bench oracle-ceiling --preset {preset}`): "
                 f"AR {ceiling['ar_tokens_per_s']:.1f} tokens/s, oracle {ceiling['oracle_tokens_per_s']:.1f} tokens/s, "
