@@ -10,7 +10,8 @@ of the target with its states captured. Two engines do it (``data.regen_engine``
 - ``continuous``: :func:`xpress.continuous.generate_greedy`, each sequence in its own cache row, one C++
   call per layer for all of them (``layer_rows``), a finished row refilled at once.
 
-Both run the first ``--prompts`` regeneration prompts (the train split's first, as notebook 01 sees them)
+Both run regeneration's own shard path (:func:`xpress.train.regenerate._shard_results`) on the first
+``--prompts`` regeneration prompts (the train split's first, as notebook 01 sees them)
 with ``data.regen_max_new_tokens`` and the states captured as regeneration stores them, the engines (and
 the continuous engine at each of ``--batches``) interleaved in every repeat. Per engine: response tokens per
 second (medians over repeats; wall time from the first prefill to the last answer), the ratio to
@@ -29,32 +30,17 @@ from .. import paths
 from ..config import Config
 
 
-def _batched(target, cfg: Config, prompts: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
-    """Answers of the ragged-batch engine, as regeneration runs it (prompts of similar length together)."""
-    from ..decoding import generate_ar_batch
-    from ..train.regenerate import assemble_rows, capture_target_states
+def _answers(target, cfg: Config, records: list[dict], engine: str, batch: int) -> list[list[int]]:
+    """Each record's answer, regenerated as ``python -m xpress regenerate`` does (one shard of all of them,
+    states captured, shard table built) by ``engine`` at ``batch`` sequences."""
+    import dataclasses
 
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    for s in range(0, len(order), batch):
-        idx = order[s:s + batch]
-        group = [prompts[i] for i in idx]
-        with capture_target_states(target) as calls:
-            gens = generate_ar_batch(target, group, cfg.data.regen_max_new_tokens)
-        assemble_rows(calls, group, [g.token_ids for g in gens])
-        for i, g in zip(idx, gens):
-            out[i] = g.token_ids
-    return out
+    from ..train.regenerate import _shard_results
 
-
-def _continuous(target, cfg: Config, prompts: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
-    from ..continuous import generate_greedy
-
-    out: list[list[int]] = [[] for _ in prompts]
-    for f in generate_greedy(target, prompts, cfg.data.regen_max_new_tokens, batch,
-                             capture_layers=list(target.layer_ids)):
-        out[f.index] = f.token_ids
-    return out
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, regen_engine=engine, regen_batch_size=batch,
+                                                            cache_features=True))
+    [(_, table, _)] = list(_shard_results(target, cfg, {0: records}))
+    return [ids[p:] for ids, p in zip(table["input_ids"], table["prompt_len"])]
 
 
 def run_regen_speed(cfg: Config, target, n_prompts: int = 64, repeats: int = 2, batches: Sequence[int] = (16, 32, 64),
@@ -74,8 +60,8 @@ def run_regen_speed(cfg: Config, target, n_prompts: int = 64, repeats: int = 2, 
         raise ValueError("the continuous engine needs the fused CPU kernels (a float32 Llama target on an AVX2 "
                          "CPU): on this machine regeneration runs the ragged batches only")
     prov = provenance(cfg.preset, torch_threads=torch.get_num_threads())
-    records, _ = _prompts(cfg, target.tokenizer)
-    prompts = [r["prompt_ids"] for r in records[:n_prompts]]
+    records = _prompts(cfg, target.tokenizer)[0][:n_prompts]
+    prompts = [r["prompt_ids"] for r in records]
     runs = [("batched", cfg.data.regen_batch_size)] + [("continuous", b) for b in batches]
     load = LoadRecord.start()
     t_start = time.perf_counter()
@@ -83,9 +69,8 @@ def run_regen_speed(cfg: Config, target, n_prompts: int = 64, repeats: int = 2, 
     with tqdm(total=repeats * len(runs), desc="regeneration engines", disable=not progress) as bar:
         for rep in range(repeats):
             for engine, batch in runs:
-                run = _batched if engine == "batched" else _continuous
                 t0 = time.perf_counter()
-                got = run(target, cfg, prompts, batch)
+                got = _answers(target, cfg, records, engine, batch)
                 s = time.perf_counter() - t0
                 answers[(engine, batch)] = got
                 tokens = sum(len(a) for a in got)
