@@ -14,10 +14,17 @@ from xpress.targets import target_forward
 N_NEW = 12
 
 
-@pytest.fixture(scope="module")
-def fused(target):
-    if not continuous.available(target):
-        pytest.skip("the fused CPU kernels are not available here (no AVX2, or target.kernels=torch)")
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def fused(request):
+    """The smoke target on the fused kernels: float32 (any AVX2 CPU) and bf16 (AMX tiles), where they run."""
+    from xpress.config import load_config
+    from xpress.targets import TargetError, load_target
+
+    try:
+        target = load_target(load_config("smoke", ["target.kernels=fused", f"target.dtype={request.param}"]))
+    except TargetError as e:
+        pytest.skip(f"the fused CPU kernels do not run {request.param} here: {e}")
+    assert continuous.available(target)
     return target
 
 

@@ -55,13 +55,37 @@ def test_linear_is_a_product_whose_rows_do_not_depend_on_how_many_are_computed(f
         assert torch.equal(fused.linear(x[:m], packed), one[:m]), m
 
 
-def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, nkv, eps):
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64)])
+def test_bf16_products_on_amx_tiles_do_not_depend_on_how_many_rows_are_computed(fused, shape):
+    """With a weight packed by pack_bf16, ``linear`` rounds x to bf16 and multiplies on the AMX tiles: a
+    bf16 product (float64 reference on the same rounded operands, float32 accumulation only) whose rows
+    have the same bits whether computed alone, in one tile of up to 16 rows, or in pairs of tiles past 32."""
+    if not fused.amx_ready():
+        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    packed = fused.pack_bf16(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (shape[0] // 16, shape[1] // 2, 16, 2)
+    x = torch.randn(100, shape[1])
+    one = torch.cat([fused.linear(x[j:j + 1], packed) for j in range(100)])
+    ref = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T
+    torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-4)
+    for m in (2, 15, 16, 17, 31, 32, 33, 40, 64, 100):
+        assert torch.equal(fused.linear(x[:m], packed), one[:m]), m
+    with pytest.raises(RuntimeError, match="K % 32 == 0"):
+        fused.pack_bf16(torch.randn(16, 48))
+
+
+def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, nkv, eps, bf16=False):
     """One Llama layer in float64 with the fused layer's conventions (rotated pairs adjacent, gate rows before
-    up rows); keys / values [nkv, L, hd] hold the cached columns. Returns the new residual stream."""
+    up rows); keys / values [nkv, L, hd] hold the cached columns. Returns the new residual stream. ``bf16``:
+    the weights and every product's input rounded to bf16 first, as the AMX products do."""
     f = lambda t: t.double()
+    r = (lambda t: t.to(torch.bfloat16).double()) if bf16 else f  # a product's operands
+    mm = lambda x, w: r(x) @ r(w).T
     n, hd = h.shape[0], keys.shape[2]
     rms = lambda x, w: x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * f(w)
-    qkv = rms(f(h), ln1) @ f(wqkv).T
+    qkv = mm(rms(f(h), ln1), wqkv)
     heads = qkv.view(n, nh + 2 * nkv, hd // 2, 2)
     c, s = f(rot)[:, None, :, 0], f(rot)[:, None, :, 1]
     a, b = heads[..., 0], heads[..., 1]
@@ -73,9 +97,9 @@ def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, n
     scores = torch.einsum("nhd,hcd->hnc", q, K.repeat_interleave(g, 0)) / hd ** 0.5
     scores = scores.masked_fill(torch.arange(L + n)[None, None] > L + torch.arange(n)[None, :, None], float("-inf"))
     att = torch.einsum("hnc,hcd->nhd", scores.softmax(-1), V.repeat_interleave(g, 0)).reshape(n, nh * hd)
-    h = f(h) + att @ f(wo).T
-    gate, up = (rms(h, ln2) @ f(wgu).T).chunk(2, -1)
-    return h + (torch.nn.functional.silu(gate) * up) @ f(wd).T
+    h = f(h) + mm(att, wo)
+    gate, up = mm(rms(h, ln2), wgu).chunk(2, -1)
+    return h + mm(torch.nn.functional.silu(gate) * up, wd)
 
 
 def test_module_linear_packs_once_repacks_after_a_change_and_steps_aside_under_autograd(fused):
@@ -153,11 +177,16 @@ def test_module_rms_norm_is_the_drafters_norm_and_steps_aside_under_autograd(fus
     assert norm.weight.grad is not None
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-amx"])
 @pytest.mark.parametrize("L", [0, 61, 130])
-def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, L):
+def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, L, bf16):
     """Head width 64 and 3 query heads per key-value head (SmolLM2-135M's; the smoke target has 16 and 2): 16
     rows in one call equal 16 one-row calls bit for bit, output and cache, across the attention's 64-column
-    tiles; and the layer is a Llama layer (a float64 reference, float32 rounding only)."""
+    tiles; and the layer is a Llama layer (a float64 reference: float32 rounding only; with bf16 weights on
+    AMX, the reference rounds the same operands to bf16 and the rest is float32 rounding and the odd
+    activation that rounds to the other bf16 neighbour)."""
+    if bf16 and not fused.amx_ready():
+        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
     torch.manual_seed(L)
     H, nh, nkv, hd, inter, n, cap, eps = 192, 9, 3, 64, 256, 16, 160, 1e-5
     w = lambda *shape: torch.randn(shape) * shape[-1] ** -0.5
@@ -167,7 +196,7 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
     rot = torch.stack((angle.cos(), angle.sin()), -1).contiguous()
     h = torch.randn(n, H)
     cached = torch.randn(2, nkv, cap, hd)
-    packed = [fused.pack(t) for t in (wqkv, wo, wgu, wd)]
+    packed = [fused.pack_bf16(t) if bf16 else fused.pack(t) for t in (wqkv, wo, wgu, wd)]
 
     def call(rows, at, keys, values):
         return fused.layer(h[rows], ln1, packed[0], packed[1], ln2, packed[2], packed[3], rot[rows].contiguous(),
@@ -177,8 +206,10 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
     k_one, v_one = cached[0].clone(), cached[1].clone()
     alone = torch.cat([call(slice(i, i + 1), L + i, k_one, v_one) for i in range(n)])
     assert torch.equal(together, alone) and torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
-    ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps)
-    torch.testing.assert_close(together.double(), ref, rtol=1e-4, atol=1e-4)
+    ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps,
+                           bf16=bf16)
+    tol = 2e-2 if bf16 else 1e-4
+    torch.testing.assert_close(together.double(), ref, rtol=tol, atol=tol)
 
 
 def test_fused_layers_compute_the_torch_path_function(twins):
@@ -240,14 +271,51 @@ def test_speculative_equals_greedy_ar_through_the_fused_layers(twins):
     assert sum(g.token_ids == r for g, r in zip(batch, refs)) >= len(prompts) - 1
 
 
+def test_bf16_fused_layers_on_amx_are_exact_and_lossless(fused):
+    """bf16 weights on the AMX tiles (what ``target.dtype: auto`` and ``target.kernels: auto`` take on such a
+    CPU): a prefill, a verify and the steps agree bit for bit at contexts around the block edges, the logits
+    are the bf16 PyTorch path's up to bf16 rounding, and speculative decoding equals greedy AR token for
+    token with a perfect and a random drafter."""
+    if not fused.amx_ready():
+        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+    over = ["target.dtype=bfloat16", "target.kernels=auto"]
+    target = load_target(load_config("smoke", over))
+    assert target.meta["kernels"] == "fused" and target.meta["dtype"] == "bfloat16"
+    assert target.meta["row_invariance"]["exact"] and "AMX" in target.meta["kernels_reason"]
+    lean = target.runtime
+    assert lean.layers[0].fused[0].dtype == torch.bfloat16 and lean.new_cache(1).keys[0].dtype == torch.float32
+    for context, n in ((1, 16), (63, 3), (64, 16), (150, 16), (rt.ROW_CHUNK + 7, 7)):
+        check = rt.check_row_invariance(lean, context=context, n=n, seed=context)
+        assert check["exact"], (context, n, check)
+    torch_path = load_target(load_config("smoke", ["target.dtype=bfloat16", "target.kernels=torch"]))
+    ids = torch.tensor([encode_chat(target.tokenizer, ["Name three prime numbers, then explain why they are prime."])])
+    torch.testing.assert_close(target_forward(target, ids).logits, target_forward(torch_path, ids).logits,
+                               rtol=0.05, atol=0.1)  # its K/V and activations are bf16 too
+    cfg = load_config("smoke", over)
+    prompts = [encode_chat(target.tokenizer, [q]) for q in ("Count to ten.", "Write a haiku about rain.", "2+2=?")]
+    oracle, rand = OracleDrafter(target, cfg), RandomDrafter(target, cfg, seed=1)
+    for p in prompts:
+        ref = generate_ar(target, p, 40).token_ids
+        assert generate_speculative(target, oracle, p, 40).token_ids == ref
+        assert generate_speculative(target, rand, p, 40).token_ids == ref
+
+
 def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypatch):
     with pytest.raises(ConfigError, match="target.kernels='cuda'"):
         load_config("smoke", ["target.kernels=cuda"])
-    with pytest.raises(TargetError, match="set target.kernels=auto"):
-        load_target(load_config("smoke", ["target.kernels=fused", "target.runtime=lean", "target.dtype=bfloat16"]))
+    bf16 = ["target.kernels=fused", "target.runtime=lean", "target.dtype=bfloat16"]
+    if fused.amx_ready():  # bf16 runs on the AMX tiles; float16 nowhere
+        assert load_target(load_config("smoke", bf16)).meta["kernels"] == "fused"
+        with pytest.raises(TargetError, match="set target.kernels=auto"):
+            load_target(load_config("smoke", ["target.kernels=fused", "target.runtime=lean", "target.dtype=float16"]))
+    else:
+        with pytest.raises(TargetError, match="set target.kernels=torch"):
+            load_target(load_config("smoke", bf16))
     t = load_target(load_config("smoke", ["target.kernels=auto"]))
-    expect = "torch" if rt.cpu_features()["avx512f"] else "fused"  # auto: the measured class of CPU only
+    expect = "torch" if rt.cpu_features()["avx512f"] else "fused"  # auto, float32: the measured class of CPU only
     assert t.meta["kernels"] == expect and t.meta["kernels_reason"]
+    t = load_target(load_config("smoke", ["target.kernels=auto", "target.dtype=bfloat16"]))
+    assert t.meta["kernels"] == ("fused" if fused.amx_ready() else "torch")  # auto, bf16: AMX tiles only
 
 
 def test_without_the_kernels_auto_falls_back_and_fused_refuses(monkeypatch):

@@ -304,9 +304,10 @@ def plot_target_cost(result: dict):
             table.clip(lower=0).plot.bar(stacked=True, ax=ax, color=[colors[c] for c in comps], legend=False, width=0.7)
             o = old[old["context"] == L].set_index("new_tokens")["median_ms"].reindex(table.index)
             ax.plot(range(len(o)), o.values, "ko", label="transformers float32 (total)")
-            if dt == "float32" and len(fused):
-                fz = fused[fused["context"] == L].set_index("new_tokens")["median_ms"].reindex(table.index)
-                ax.plot(range(len(fz)), fz.values, "r^", label="lean float32, fused C++ layer (total)")
+            fz = fused[(fused["dtype"] == dt) & (fused["context"] == L)]
+            if len(fz):
+                fz = fz.set_index("new_tokens")["median_ms"].reindex(table.index)
+                ax.plot(range(len(fz)), fz.values, "r^", label="lean, fused C++ layer (total)")
             ax.set_title(f"lean {dt}, context {L}", fontsize=9)
             ax.set_xlabel("new tokens")
             ax.set_ylabel("ms per forward" if j == 0 else "")
@@ -324,7 +325,8 @@ def draw_target_cost(preset: str) -> Drawn | None:
         return None
     return Drawn("target_cost", plot_target_cost(data),
                  "The target's forward per component for 1-16 new tokens after 64-1000 tokens of context, per dtype of "
-                 "the lean runtime; black dots: the transformers forward in float32; red triangles: the float32 lean forward with each layer one C++ call (where built). verify / step at B is the break-even "
+                 "the lean runtime; black dots: the transformers forward in float32; red triangles: the lean forward with each layer one C++ call "
+                 "(float32 where built, bf16 where its products run on AMX tiles). verify / step at B is the break-even "
                  "tau with free drafting. Data: target_cost.json (python -m xpress bench target-cost).")
 
 

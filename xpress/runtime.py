@@ -223,10 +223,11 @@ class Linear:
     def __init__(self, weight: torch.Tensor, packed: bool, row_block: int = 0, kernels: Any = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.row_block = row_block  # 0: any number of rows in one call
-        self.kernels = kernels if (kernels is not None and weight.dtype == torch.float32
-                                   and self.out_features % 16 == 0) else None
+        self.kernels = kernels if (kernels is not None and self.out_features % 16 == 0 and kernel_fits(weight)) else None
         if self.kernels is not None:
-            self.fused = self.kernels.pack(weight.detach().contiguous())  # [out / 16, in, 16]
+            w = weight.detach().contiguous()
+            # float32: [out / 16, in, 16]; bf16 (AMX tiles): [out / 16, in / 2, 16, 2]
+            self.fused = self.kernels.pack(w) if w.dtype == torch.float32 else self.kernels.pack_bf16(w)
             self.packed, self.slices, self.weights = True, [(0, self.in_features)], []
             return
         k = self.in_features
@@ -244,7 +245,7 @@ class Linear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.kernels is not None:
-            return self.kernels.linear(x2.contiguous(), self.fused).view(*lead, self.out_features)
+            return self.kernels.linear(x2.float().contiguous(), self.fused).view(*lead, self.out_features)
         if self.row_block and x2.shape[0] > self.row_block:
             out = torch.cat([self._rows(x2[r:r + self.row_block]) for r in range(0, x2.shape[0], self.row_block)])
         else:
@@ -259,6 +260,19 @@ class Linear:
                                                    None, "none", [], "")
             out = y if len(self.slices) == 1 else (y.float() if out is None else out + y.float())
         return out
+
+
+def kernel_fits(weight: torch.Tensor) -> bool:
+    """Whether the fused C++ products take this weight [out, in]: float32, or bf16 with ``in`` a multiple of
+    32 (the AMX tiles' depth; the caller has checked that the module runs them, ``amx_ready()``)."""
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0)
+
+
+def amx_fits(cfg: Any) -> bool:
+    """Whether every product of a Llama config reads a multiple of 32 features (the AMX tiles' depth): the
+    hidden width, the attention width (heads x head width) and the MLP width."""
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return all(d % 32 == 0 for d in (int(cfg.hidden_size), int(cfg.num_attention_heads) * hd, int(cfg.intermediate_size)))
 
 
 @dataclass
@@ -307,9 +321,16 @@ class LeanModel:
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden // self.n_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.n_layers = int(cfg.num_hidden_layers)
-        if kernels is not None and (dtype != torch.float32 or cfg.model_type != "llama" or self.device.type != "cpu"):
-            raise RuntimeUnsupported("the fused kernels run float32 Llama models on a CPU")
+        if kernels is not None and (cfg.model_type != "llama" or self.device.type != "cpu"):
+            raise RuntimeUnsupported("the fused kernels run Llama models on a CPU")
+        if kernels is not None and dtype == torch.bfloat16 and not (kernels.amx_ready() and amx_fits(cfg)):
+            raise RuntimeUnsupported("the fused kernels run bf16 on AMX tiles, over multiples of 32 features")
+        if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
+            raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
+        # the dtype activations are cast to before a product, and the K/V cache's: the matmul dtype, except
+        # with the fused kernels, which take float32 activations (bf16 products round them inside)
+        self.act = torch.float32 if kernels is not None else dtype
         base = model.model
         f32 = torch.float32
 
@@ -353,7 +374,7 @@ class LeanModel:
 
     # ------------------------------------------------------------------------------------- pieces
     def new_cache(self, batch: int, capacity: int = 256) -> StaticKV:
-        return StaticKV(self.n_layers, batch, self.n_kv, self.head_dim, self.dtype, self.device, capacity)
+        return StaticKV(self.n_layers, batch, self.n_kv, self.head_dim, self.act, self.device, capacity)
 
     def _rope_table(self, max_pos: int) -> torch.Tensor:
         """RoPE as complex rotations [positions, hd / 2] complex64 for positions 0..max_pos-1 (grown
@@ -402,7 +423,7 @@ class LeanModel:
             if e > n - keep:  # some of these positions' logits are asked for
                 x = normed[-1] if watch else self._final_norm(h, fused)
                 x = x[:, max(0, n - keep - s):]
-                logits.append(self.kernels.linear(x[0].contiguous(), self.lm_head_fused[0])[None] if fused
+                logits.append(self.kernels.linear(x[0].float().contiguous(), self.lm_head_fused[0])[None] if fused
                               else self.lm_head(x).float())
             if f is not None:
                 feats.append(f)
@@ -440,7 +461,7 @@ class LeanModel:
             if f is not None:
                 feats.append(f[0])
         normed = normed[0] if len(normed) == 1 else torch.cat(normed)
-        logits = self.kernels.linear(normed[-1:].contiguous(), self.lm_head_fused[0])[0]
+        logits = self.kernels.linear(normed[-1:].float().contiguous(), self.lm_head_fused[0])[0]
         return normed, logits, (None if feature_layers is None else torch.cat(feats) if len(feats) > 1 else feats[0])
 
     def step_rows(self, tokens: torch.Tensor, cache: StaticKV, rows: torch.Tensor, lengths: torch.Tensor,
@@ -462,14 +483,15 @@ class LeanModel:
                                         rows, lengths, self.n_heads, self.n_kv, self.eps)
             if i in want:
                 feats[i] = h
-        normed = self.kernels.rms_norm(h, self.norm, self.eps)
-        logits = self.kernels.linear(normed, self.lm_head_fused[0])
+        normed = self.kernels.rms_norm(h, self.norm, self.eps).to(self.dtype)  # what the LM head reads
+        logits = self.kernels.linear(normed.float(), self.lm_head_fused[0])
         return normed, logits, (torch.cat([feats[j] for j in feature_layers], -1) if feature_layers else None)
 
     def _final_norm(self, h: torch.Tensor, fused: bool) -> torch.Tensor:
-        """The final RMSNorm of h [b, n, H] float32, in the matmul dtype (the fused kernel's at batch 1)."""
+        """The final RMSNorm of h [b, n, H] float32 (the fused kernel's at batch 1), in the matmul dtype: what the
+        LM head reads (bf16 products round their input to it), so the stored hidden states give its logits."""
         if fused:
-            return self.kernels.rms_norm(h[0].contiguous(), self.norm, self.eps)[None]
+            return self.kernels.rms_norm(h[0].contiguous(), self.norm, self.eps)[None].to(self.dtype)
         return self._rms(h, self.norm).to(self.dtype)
 
     def _fused_block(self, ids: torch.Tensor, cache: StaticKV, pos: torch.Tensor, mask: torch.Tensor | None,
@@ -507,7 +529,7 @@ class LeanModel:
         for i, lw in enumerate(self.layers):
             h = self._layer(h, lw, cache.keys[i], cache.values[i], L, rot, bias)
             if i in want:
-                feats.append(h.to(self.dtype))
+                feats.append(h.to(self.act))
         cache.advance(n)
         if feature_layers is None:
             return h, None
@@ -520,20 +542,20 @@ class LeanModel:
         b, n, _ = h.shape
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         g, Lc = nh // nkv, bias.shape[-1]
-        qkv = lw.wqkv(self._rms(h, lw.ln1).to(self.dtype)).view(b, n, nh + 2 * nkv, hd)
+        qkv = lw.wqkv(self._rms(h, lw.ln1).to(self.act)).view(b, n, nh + 2 * nkv, hd)
         qk = qkv[:, :, :nh + nkv].float()
         if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k before RoPE
             qk = torch.cat([self._rms(qk[:, :, :nh], lw.q_norm), self._rms(qk[:, :, nh:], lw.k_norm)], dim=2)
         qk = torch.view_as_real(torch.view_as_complex(qk.reshape(b, n, nh + nkv, hd // 2, 2)) * rot)
-        qk = qk.reshape(b, n, nh + nkv, hd).to(self.dtype)  # RoPE applied, [b, n, nh + nkv, hd]
+        qk = qk.reshape(b, n, nh + nkv, hd).to(self.act)  # RoPE applied, [b, n, nh + nkv, hd]
         keys[:, :, L:L + n] = qk[:, :, nh:].transpose(1, 2)
-        values[:, :, L:L + n] = qkv[:, :, nh + nkv:].to(self.dtype).transpose(1, 2)
+        values[:, :, L:L + n] = qkv[:, :, nh + nkv:].to(self.act).transpose(1, 2)
         q = qk[:, :, :nh].reshape(b, n, nkv, g, hd).transpose(1, 2).reshape(b, nkv, n * g, hd)
         att = invariant_attention(q, keys[:, :, :Lc], values[:, :, :Lc], bias, g)  # [b, nkv, n g, hd]
         att = att.view(b, nkv, n, g, hd).transpose(1, 2).reshape(b, n, nh * hd)
-        h = h + lw.wo(att.to(self.dtype)).float()
-        gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.dtype)).chunk(2, dim=-1)
-        return h + lw.wd((F.silu(gate) * up).to(self.dtype)).float()
+        h = h + lw.wo(att.to(self.act)).float()
+        gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.act)).chunk(2, dim=-1)
+        return h + lw.wd((F.silu(gate) * up).to(self.act)).float()
 
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,

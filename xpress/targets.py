@@ -318,23 +318,32 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     """The lean runtime's layer (``target.kernels``): the compiled module of :func:`xpress.kernels.fused_cpu`
     or None (PyTorch operations), its name (``fused`` or ``torch``) and why.
 
-    ``auto`` takes the fused kernels for a float32 Llama target on a CPU with AVX2 and FMA and without
-    AVX-512 (the class of CPU whose speed was measured, ``docs/inference.md``), where they build; ``fused``
-    requires them and says why it cannot; ``torch`` never builds them."""
+    ``auto`` takes the fused kernels for a Llama target on a CPU where they were measured faster
+    (``docs/inference.md``), where they build: in float32 on a CPU with AVX2 and FMA and without AVX-512, and
+    in bf16 on a CPU with AMX-BF16 tiles (the products on the tile unit, ``amx_ready()``). ``fused`` requires
+    them (float32 on any AVX2 CPU, bf16 where AMX runs) and says why it cannot; ``torch`` never builds them."""
     from . import kernels as kn
-    from .runtime import cpu_features
+    from .runtime import amx_fits, cpu_features
 
     if tc.kernels == "torch":
         return None, "torch", "target.kernels=torch"
-    fits = (dtype == torch.float32 and torch.device(tc.device).type == "cpu"
-            and getattr(model.config, "model_type", "") == "llama")
-    if tc.kernels == "auto" and not (fits and cpu_features()["avx2"] and not cpu_features()["avx512f"]):
-        return None, "torch", "auto: the fused kernels are taken for float32 Llama targets on AVX2 CPUs without AVX-512"
+    cpu = torch.device(tc.device).type == "cpu"
+    llama = getattr(model.config, "model_type", "") == "llama"
+    feats = cpu_features()
+    fits = cpu and llama and dtype in (torch.float32, torch.bfloat16)
+    measured = fits and (feats["avx2"] and not feats["avx512f"] if dtype == torch.float32 else feats["amx_bf16"])
+    if tc.kernels == "auto" and not measured:
+        return None, "torch", ("auto: the fused kernels are taken for Llama targets in float32 on AVX2 CPUs "
+                               "without AVX-512 and in bf16 on CPUs with AMX-BF16")
     if not fits:
-        raise TargetError(f"target.kernels=fused runs float32 Llama targets on a CPU (here {dtype}, "
+        raise TargetError(f"target.kernels=fused runs float32 or bf16 Llama targets on a CPU (here {dtype}, "
                           f"{tc.device}, {getattr(model.config, 'model_type', '?')}); set target.kernels=auto")
     module = kn.fused_cpu()
     reason = kn.status()["reason"]
+    if module is not None and dtype == torch.bfloat16 and not module.amx_ready():
+        module, reason = None, "bf16 products need AMX tiles, which this CPU, kernel or build does not grant"
+    elif module is not None and dtype == torch.bfloat16 and not amx_fits(model.config):
+        module, reason = None, "bf16 products on AMX tiles need the hidden, attention and MLP widths in multiples of 32"
     if module is None:
         if tc.kernels == "fused":
             raise TargetError(f"target.kernels=fused: the C++ kernels are not available ({reason}); "
@@ -342,7 +351,7 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
         log.warning("the fused C++ layer is not available (%s): the target runs the PyTorch layer "
                     "(target.kernels=torch; slower at batch 1, same results)", reason)
         return None, "torch", f"auto: {reason}"
-    return module, "fused", reason
+    return module, "fused", reason + (" (bf16 products on AMX tiles)" if dtype == torch.bfloat16 else "")
 
 
 def planned_runtime(tc: TargetConfig) -> str:

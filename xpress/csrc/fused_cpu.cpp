@@ -1,4 +1,5 @@
-// A Llama decoder layer for one sequence on an x86 CPU with AVX2 and FMA, in float32, in one call.
+// A Llama decoder layer for one sequence on an x86 CPU with AVX2 and FMA, in one call: float32 throughout,
+// or with bf16 weights whose products run on AMX tiles (everything else float32), on a CPU that has them.
 //
 // Built and loaded by xpress/kernels.py (torch.utils.cpp_extension); used by xpress/runtime.py where
 // `target.runtime` resolves to "fused". Why: at batch 1 on two cores, a Python decoder layer issues
@@ -9,7 +10,8 @@
 // operations whatever the number of rows n in the call (a one-token step, a 16-token verify, a prefill
 // chunk), so a verify reproduces the steps bit for bit:
 // - linear(): each output element is acc = fma(x[m][k], w[k][j], acc) for k = 0..K-1 in order, from 0;
-//   the row blocking only decides how many rows share a weight load;
+//   the row blocking only decides how many rows share a weight load; the bf16 products (AMX) likewise
+//   accumulate each element over the input features in a fixed order, a tile row from its own row of x;
 // - rms norm, RoPE, SiLU: per row, in a fixed order;
 // - attention: query row i (absolute position L + i) reads cache columns 0..L+i only; the scores, the
 //   softmax maximum, the denominator (lane by lane, then hsum) and the value sum run over those columns
@@ -17,16 +19,31 @@
 // Compiled with -ffp-contract=off so that the compiler fuses nothing the source does not.
 //
 // Shapes: n rows (tokens), H hidden, I intermediate, nh / nkv query / key-value heads of width hd,
-// g = nh / nkv; weights packed by pack(): [N / 16, K, 16] for a [N, K] nn.Linear weight.
+// g = nh / nkv; weights packed by pack(): [N / 16, K, 16] for a [N, K] nn.Linear weight (float32), or by
+// pack_bf16(): [N / 16, K / 2, 16, 2] (bf16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <vector>
 
 namespace {
+
+// A buffer of at least n elements, one per thread and per use (Slot), kept between calls: no allocation and
+// no zeroing once it has its size (fresh vectors of a few hundred KB per layer went to mmap, page faults and
+// memset on every call: about 1.5 ms of a 16-token verify of SmolLM2-135M). Contents are left over: callers
+// write before they read.
+template <class T, int Slot>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
 
 // ------------------------------------------------------------------------------------------ linear
 #ifndef XP_PREFETCH
@@ -149,6 +166,152 @@ void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N
       for (int64_t m = 0; m < M; m += 6) row_block(x, M, m, K, W, p0, p1, o, N);  // panels stay in cache
     }
   });
+}
+
+// ------------------------------------------------------------------------------- bf16 products (AMX)
+// On a CPU with AMX-BF16 (Intel Xeon since Sapphire Rapids) a bf16 weight runs on the tile unit: x is rounded
+// to bf16 (to nearest even) and out[m][j] is accumulated in float32 by TDPBF16PS over the input features in
+// tiles of 32, in order, from zero. The instruction computes every row of a tile from that row of A alone, so
+// a row's bits do not depend on how many rows share the tile (a one-token step uses a tile of one row, a
+// 16-token verify one of 16): row-invariant by construction, like linear_into. Weights packed by
+// pack_bf16(): [N / 16, K / 2, 16, 2] (a panel of 16 output columns, pairs of input features adjacent: the
+// layout TDPBF16PS reads as B). At 16 rows the tile unit's arithmetic is a small fraction of the time it
+// takes to stream the weights, so a 16-token verify costs about what a one-token step does.
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define XP_AMX 1
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C (r rows x 16 float32), tmm4: A (r rows x 32 bf16), tmm5-7: B (16 pairs x 16 columns)
+inline void amx_config(int r) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(t < 5 ? r : 16);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// r rows of x (bf16, rows K apart; r as configured) against NP panels from w (panels ps elements apart)
+template <int NP>
+inline void amx_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (NP > 2) _tile_zero(2);
+  if constexpr (NP > 3) _tile_zero(3);
+  for (int64_t kt = 0; kt < K / 32; ++kt) {  // input features 32 kt .. 32 kt + 31, in order
+    const uint16_t* wk = w + kt * 512;
+    _tile_loadd(4, x + kt * 32, K * 2);
+    _tile_loadd(5, wk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NP > 1) { _tile_loadd(6, wk + ps, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NP > 2) { _tile_loadd(7, wk + 2 * ps, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NP > 3) { _tile_loadd(5, wk + 3 * ps, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, out, ldo * 4);
+  if constexpr (NP > 1) _tile_stored(1, out + 16, ldo * 4);
+  if constexpr (NP > 2) _tile_stored(2, out + 32, ldo * 4);
+  if constexpr (NP > 3) _tile_stored(3, out + 48, ldo * 4);
+}
+
+// x [M, K] float32 rounded to bf16 (to nearest even), K a multiple of 32
+inline void to_bf16(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t j = 0; j < n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
+}
+
+// Two blocks of rows (16 in tmm4, r1 in tmm5) against NP <= 2 panels (tmm6, tmm7): each weight tile loaded once
+// serves 32 rows (C: tmm0 / tmm1 for the first block, tmm2 / tmm3 for the second). Same per-element order.
+template <int NP>
+inline void amx_block2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NP > 1) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t kt = 0; kt < K / 32; ++kt) {
+    const uint16_t* wk = w + kt * 512;
+    _tile_loadd(4, x + kt * 32, K * 2);
+    _tile_loadd(5, x + 16 * K + kt * 32, K * 2);
+    _tile_loadd(6, wk, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NP > 1) { _tile_loadd(7, wk + ps, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+  }
+  _tile_stored(0, out, ldo * 4);
+  _tile_stored(2, out + 16 * ldo, ldo * 4);
+  if constexpr (NP > 1) { _tile_stored(1, out + 16, ldo * 4); _tile_stored(3, out + 16 * ldo + 16, ldo * 4); }
+}
+
+inline void amx_config2(int r1) {  // tmm0, tmm1, tmm4: 16 rows; tmm2, tmm3, tmm5: r1 rows; tmm6, tmm7: 16
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(t == 2 || t == 3 || t == 5 ? r1 : 16);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// out[M, N] = bf16(x[M, K]) @ W.T in float32, W packed by pack_bf16(); the threads take equal runs of panels,
+// each group of four serving every block of rows before the next group (its weights come from memory once):
+// pairs of 16-row blocks first (amx_block2), then what is left in blocks of up to 16 (amx_block).
+void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o) {
+  uint16_t* xb = scratch<uint16_t, 0>(static_cast<size_t>(M * K));
+  to_bf16(x, M * K, xb);
+  const int64_t P = N / 16, ps = K * 16;
+  at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {  // equal runs of panels (36 panels go 18 + 18)
+    for (int64_t p0 = q0; p0 < q1; p0 += PANELS_PER_TASK) {
+      const int64_t p1 = std::min(q1, p0 + PANELS_PER_TASK);
+      int64_t m = 0;
+      if (M >= 32) {
+        amx_config2(16);
+        for (; m + 32 <= M; m += 32)
+          for (int64_t p = p0; p < p1;) {
+            float* om = o + m * N + p * 16;
+            if (p + 2 <= p1) { amx_block2<2>(xb + m * K, K, W + p * ps, ps, om, N); p += 2; }
+            else { amx_block2<1>(xb + m * K, K, W + p * ps, ps, om, N); p += 1; }
+          }
+      }
+      for (; m < M; m += 16) {
+        amx_config(static_cast<int>(std::min<int64_t>(16, M - m)));
+        const uint16_t* xm = xb + m * K;
+        for (int64_t p = p0; p < p1;) {
+          float* om = o + m * N + p * 16;
+          if (p + 4 <= p1) { amx_block<4>(xm, K, W + p * ps, ps, om, N); p += 4; }
+          else if (p + 2 <= p1) { amx_block<2>(xm, K, W + p * ps, ps, om, N); p += 2; }
+          else { amx_block<1>(xm, K, W + p * ps, ps, om, N); p += 1; }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#pragma GCC pop_options
+#endif
+
+// Asks Linux for the AMX tile state (once per process); true where the CPU and kernel grant it.
+bool amx_ready() {
+#ifdef XP_AMX
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// out[M, N] = x[M, K] @ W.T for W packed by pack() (float32) or pack_bf16() (bf16, AMX)
+void product(const float* x, int64_t M, int64_t K, const torch::Tensor& W, int64_t N, float* o) {
+  if (W.scalar_type() == torch::kFloat32) return linear_into(x, M, K, W.data_ptr<float>(), N, o);
+#ifdef XP_AMX
+  TORCH_CHECK(amx_ready() && K % 32 == 0, "bf16 products need AMX tiles and K % 32 == 0");
+  linear_bf16_into(x, M, K, reinterpret_cast<const uint16_t*>(W.data_ptr()), N, o);
+#else
+  TORCH_CHECK(false, "bf16 products need AMX (this build has none)");
+#endif
 }
 
 // -------------------------------------------------------------------------------------- row helpers
@@ -305,6 +468,12 @@ void check(const torch::Tensor& t, const char* name) {
               ": a contiguous float32 CPU tensor is required");
 }
 
+// a packed weight: float32 from pack() or bf16 from pack_bf16()
+void check_weight(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.is_contiguous() &&
+              t.device().is_cpu(), name, ": a contiguous packed float32 or bf16 CPU tensor is required");
+}
+
 // Attention of rows r0..r1-1 of one sequence for key-value head kh: row i sits at cache column L + i and
 // reads columns 0..L+i of kb / vb (that head's keys and values, [cap, hd]); its g query heads are at
 // qkv + i * Q + (kh * g + j) * hd, its outputs go to att + i * nh * hd + (kh * g + j) * hd. Each pass walks the
@@ -314,17 +483,20 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t D = hd / 8, R = (r1 - r0) * g;
   const int64_t width = L + r1;  // columns the last row of the block sees
-  std::vector<float> s(static_cast<size_t>(R * width)), num(static_cast<size_t>(R * hd), 0.0f), den(R);
+  float* s = scratch<float, 1>(static_cast<size_t>(R * width));
+  float* num = scratch<float, 2>(static_cast<size_t>(R * hd));
+  float* den = scratch<float, 3>(static_cast<size_t>(R));
+  std::fill(num, num + R * hd, 0.0f);
   for (int64_t c0 = 0; c0 < width; c0 += COLS)  // scores s[r][c] = q_r . k_c * scale
     for (int64_t i = r0; i < r1; ++i) {
       const int64_t c1 = std::min(c0 + COLS, L + i + 1);
       for (int64_t j = 0; c0 < c1 && j < g; ++j)
-        scores(qkv + i * Q + (kh * g + j) * hd, kb, hd, c0, c1, scale, s.data() + ((i - r0) * g + j) * width);
+        scores(qkv + i * Q + (kh * g + j) * hd, kb, hd, c0, c1, scale, s + ((i - r0) * g + j) * width);
     }
   for (int64_t i = r0; i < r1; ++i)  // s[r][c] <- exp(s[r][c] - max), den[r] = their sum
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = (i - r0) * g + j;
-      den[r] = softmax_numerators(s.data() + r * width, L + i + 1);
+      den[r] = softmax_numerators(s + r * width, L + i + 1);
     }
   for (int64_t c0 = 0; c0 < width; c0 += COLS)  // num[r] += s[r][c] * v_c, the g heads of a row together
     for (int64_t i = r0; i < r1; ++i) {
@@ -332,9 +504,9 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
       for (int64_t j = 0; c0 < c1 && j < g; j += 3) {
         const int64_t r = (i - r0) * g + j;
         switch (std::min<int64_t>(3, g - j)) {
-          case 3: value_sums<3>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
-          case 2: value_sums<2>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
-          default: value_sums<1>(s.data() + r * width, width, vb, hd, c0, c1, num.data() + r * hd); break;
+          case 3: value_sums<3>(s + r * width, width, vb, hd, c0, c1, num + r * hd); break;
+          case 2: value_sums<2>(s + r * width, width, vb, hd, c0, c1, num + r * hd); break;
+          default: value_sums<1>(s + r * width, width, vb, hd, c0, c1, num + r * hd); break;
         }
       }
     }
@@ -343,7 +515,7 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
       const int64_t r = (i - r0) * g + j;
       const __m256 inv = _mm256_set1_ps(1.0f / den[r]);
       float* o = att + i * nh * hd + (kh * g + j) * hd;
-      for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num.data() + r * hd + d * 8), inv));
+      for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num + r * hd + d * 8), inv));
     }
 }
 
@@ -357,20 +529,30 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
                             const torch::Tensor& wd, const torch::Tensor& rot, int64_t nh, int64_t nkv, int64_t hd,
                             double eps, PutKV put_kv, Attention attention) {
   const int64_t n = h_in.size(0), H = h_in.size(1);
-  const int64_t Q = (nh + 2 * nkv) * hd, I = wd.size(1);
+  const int64_t Q = (nh + 2 * nkv) * hd, I = wgu.size(0) * 8;
   TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && wgu.size(0) * 16 == 2 * I && rot.size(0) == n,
               "layer: shapes");
+  for (const torch::Tensor* t : {&wqkv, &wo, &wgu, &wd}) {
+    check_weight(*t, "layer weight");
+    TORCH_CHECK(t->scalar_type() == wqkv.scalar_type(), "layer: the four weights must share a dtype");
+  }
+  TORCH_CHECK(wd.size(0) * 16 == H && wo.size(0) * 16 == H, "layer: shapes");
   const float fe = static_cast<float>(eps);
   auto h = h_in.clone();
   float* hp = h.data_ptr<float>();
-  std::vector<float> x(static_cast<size_t>(n * std::max(H, I))), qkv(static_cast<size_t>(n * Q));
-  std::vector<float> att(static_cast<size_t>(n * nh * hd)), big(static_cast<size_t>(n * 2 * I));
-  // attention block
-  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln1.data_ptr<float>(), x.data() + i * H, H, fe);
-  linear_into(x.data(), n, H, wqkv.data_ptr<float>(), Q, qkv.data());
+  float* x = scratch<float, 4>(static_cast<size_t>(n * std::max(H, I)));
+  float* qkv = scratch<float, 5>(static_cast<size_t>(n * Q));
+  float* att = scratch<float, 6>(static_cast<size_t>(n * nh * hd));
+  float* big = scratch<float, 7>(static_cast<size_t>(n * 2 * I));
+  float* down = scratch<float, 8>(static_cast<size_t>(n * H));
+  // attention block. The per-row work is split over the threads by rows (each row's arithmetic unchanged);
+  // at::parallel_for runs a range of one row inline.
+  auto rows = [n](auto&& f) { at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) { for (int64_t i = i0; i < i1; ++i) f(i); }); };
+  rows([&](int64_t i) { rms_row(hp + i * H, ln1.data_ptr<float>(), x + i * H, H, fe); });
+  product(x, n, H, wqkv, Q, qkv);
   const float* rp = rot.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = qkv.data() + i * Q;
+  rows([&](int64_t i) {
+    float* row = qkv + i * Q;
     const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
     for (int64_t head = 0; head < nh + nkv; ++head) {  // RoPE on q and k: (a + ib)(c + is)
       float* v = row + head * hd;
@@ -381,24 +563,25 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
       }
     }
     put_kv(i, row + nh * hd, row + (nh + nkv) * hd);
-  }
-  attention(qkv.data(), Q, att.data());
-  linear_into(att.data(), n, nh * hd, wo.data_ptr<float>(), H, x.data());
-  for (int64_t j = 0; j < n * H; ++j) hp[j] += x[j];
+  });
+  attention(qkv, Q, att);
+  product(att, n, nh * hd, wo, H, x);
   // MLP block
-  for (int64_t i = 0; i < n; ++i) rms_row(hp + i * H, ln2.data_ptr<float>(), x.data() + i * H, H, fe);
-  linear_into(x.data(), n, H, wgu.data_ptr<float>(), 2 * I, big.data());
-  std::vector<float> en(static_cast<size_t>(I));
-  for (int64_t i = 0; i < n; ++i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
-    const float* gate = big.data() + i * 2 * I;
-    float* act = x.data() + i * I;
+  rows([&](int64_t i) {
+    for (int64_t j = i * H; j < (i + 1) * H; ++j) hp[j] += x[j];
+    rms_row(hp + i * H, ln2.data_ptr<float>(), x + i * H, H, fe);
+  });
+  product(x, n, H, wgu, 2 * I, big);
+  rows([&](int64_t i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
+    float* en = scratch<float, 9>(static_cast<size_t>(I));
+    const float* gate = big + i * 2 * I;
+    float* act = x + i * I;
     for (int64_t j = 0; j < I; ++j) act[j] = -gate[j];
-    exp_row(act, en.data(), I);
+    exp_row(act, en, I);
     for (int64_t j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + en[j]) * gate[I + j];
-  }
-  std::vector<float> down(static_cast<size_t>(n * H));
-  linear_into(x.data(), n, I, wd.data_ptr<float>(), H, down.data());
-  for (int64_t j = 0; j < n * H; ++j) hp[j] += down[j];
+  });
+  product(x, n, I, wd, H, down);
+  rows([&](int64_t i) { for (int64_t j = i * H; j < (i + 1) * H; ++j) hp[j] += down[j]; });
   return h;
 }
 
@@ -411,14 +594,24 @@ torch::Tensor pack(const torch::Tensor& w) {
   return w.to(torch::kFloat32).contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] @ W.T -> [M, N], W packed by pack()
+// [N, K] -> [N / 16, K / 2, 16, 2] bf16 (rounded to nearest even): panels of 16 output columns, each a run of
+// K / 2 rows of 16 (column, feature pair) entries, the B operand of TDPBF16PS
+torch::Tensor pack_bf16(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "pack_bf16: [N, K] with N % 16 == 0, K % 32 == 0");
+  const auto N = w.size(0), K = w.size(1);
+  return w.to(torch::kBFloat16).contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] float32 @ W.T -> [M, N] float32, W packed by pack() (float32) or pack_bf16() (bf16: AMX)
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wp) {
   check(x, "x");
-  check(wp, "w");
-  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(1) == x.size(1) && wp.size(2) == 16, "linear: shapes");
+  check_weight(wp, "w");
+  const bool bf = wp.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == (bf ? 4 : 3) && wp.size(1) * (bf ? 2 : 1) == x.size(1) && wp.size(2) == 16,
+              "linear: shapes");
   const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * 16;
   auto out = torch::empty({M, N}, x.options());
-  linear_into(x.data_ptr<float>(), M, K, wp.data_ptr<float>(), N, out.data_ptr<float>());
+  product(x.data_ptr<float>(), M, K, wp, N, out.data_ptr<float>());
   return out;
 }
 
@@ -441,8 +634,8 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
                     const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                     const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
                     int64_t L, int64_t nh, int64_t nkv, double eps) {
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &rot, &keys, &values})
-    check(*t, "layer input");
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &rot, &keys, &values})
+    check(*t, "layer input");  // the weights: decoder_layer
   const int64_t n = h_in.size(0), hd = keys.size(2), cap = keys.size(1), g = nh / nkv;
   TORCH_CHECK(L + n <= cap && keys.size(0) == nkv, "layer: shapes");
   float* kp = keys.data_ptr<float>();
@@ -476,8 +669,8 @@ torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, co
                          const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                          const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
                          const torch::Tensor& rows, const torch::Tensor& lengths, int64_t nh, int64_t nkv, double eps) {
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &rot, &keys, &values})
-    check(*t, "layer_rows input");
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &rot, &keys, &values})
+    check(*t, "layer_rows input");  // the weights: decoder_layer
   const int64_t m = h_in.size(0), B = keys.size(0), cap = keys.size(2), hd = keys.size(3), g = nh / nkv;
   TORCH_CHECK(keys.dim() == 4 && keys.size(1) == nkv && rows.scalar_type() == torch::kInt64 &&
               lengths.scalar_type() == torch::kInt64 && rows.numel() == m && lengths.numel() == m &&
@@ -546,7 +739,9 @@ int64_t parallel_threads(int64_t n) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "[N, K] float32 weight -> [N / 16, K, 16]");
-  m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack()");
+  m.def("pack_bf16", &pack_bf16, "[N, K] weight -> [N / 16, K / 2, 16, 2] bf16, the AMX products' layout");
+  m.def("amx_ready", &amx_ready, "whether bf16 products can run on AMX tiles here (CPU, kernel and build)");
+  m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack() or pack_bf16()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
   m.def("layer_rows", &layer_rows, "one Llama decoder layer for one new token of each of several cached sequences");

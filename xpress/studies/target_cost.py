@@ -12,8 +12,9 @@ forward's own shapes and weights:
 - ``lm head``: the final norm and the readout of the kept positions (1 for a step, n for a verify);
 - ``other``: the whole forward minus those (norms, RoPE, residual adds, casts, Python).
 
-Where the fused C++ kernels build (:mod:`xpress.kernels`), the float32 lean forward with each layer one
-C++ call is timed too (runtime ``lean-fused``; ``forward`` only, its layer is one call that cannot be split).
+Where the fused C++ kernels build (:mod:`xpress.kernels`), the lean forward with each layer one C++ call is
+timed too (runtime ``lean-fused``; ``forward`` only, its layer is one call that cannot be split): in float32,
+and in bfloat16 where its products run on AMX tiles.
 
 Everything is timed in one process with interleaved sweeps (:func:`xpress.timing.time_calls`). The
 ratio ``forward(n) / forward(1)`` at a context is the break-even tau of an n-token verify with free
@@ -46,7 +47,7 @@ def lean_calls(lean: Any, context: int, n: int, seed: int = 0) -> dict[str, Call
     gen = torch.Generator().manual_seed(seed)
     V, H = lean.embed.shape
     nh, nkv, hd = lean.n_heads, lean.n_kv, lean.head_dim
-    g, dt = nh // nkv, lean.dtype
+    g, dt = nh // nkv, lean.act  # the activations' dtype (float32 with the fused kernels)
     cache = lean.new_cache(1, context + n)
     lean.forward(torch.randint(V, (1, context), generator=gen), cache, logits_to_keep=1)
     ids = torch.randint(V, (1, n), generator=gen)
@@ -141,7 +142,7 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
     import sys
 
     from ..config import load_config
-    from ..runtime import LeanModel, native_bf16
+    from ..runtime import LeanModel, amx_fits, native_bf16
     from ..targets import load_target
     from ..utils import load_average, load_check, other_cpu_use, provenance, write_result
 
@@ -160,13 +161,15 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
                     fns[name], keys[name] = fn, ("lean", dt, L, n, comp)
     from ..kernels import fused_cpu
 
-    fused = fused_cpu() if "float32" in dtypes else None
-    if fused is not None:
-        lean = LeanModel(target.model, torch.float32, kernels=fused)
+    fused = fused_cpu()
+    for dt in dtypes:  # float32 on any AVX2 CPU, bf16 where the AMX tiles run
+        if fused is None or (dt == "bfloat16" and not (fused.amx_ready() and amx_fits(target.model.config))):
+            continue
+        lean = LeanModel(target.model, getattr(torch, dt), kernels=fused)
         for L in contexts:
             for n in new_tokens:
-                name = f"lean-fused float32 L={L} n={n} forward"
-                fns[name], keys[name] = lean_calls(lean, L, n)["forward"], ("lean-fused", "float32", L, n, "forward")
+                name = f"lean-fused {dt} L={L} n={n} forward"
+                fns[name], keys[name] = lean_calls(lean, L, n)["forward"], ("lean-fused", dt, L, n, "forward")
     if old_path:
         for L in contexts:
             for n in new_tokens:
