@@ -42,10 +42,11 @@ class TargetConfig:
     cache, fused projections, row-invariant attention), ``transformers`` (the model's own forward and a
     growing ``DynamicCache``: the path before the lean runtime existed) or ``auto`` (lean on a CPU where
     the architecture is supported, else transformers). kernels, for the lean runtime: ``torch`` (every
-    layer a sequence of PyTorch operations), ``fused`` (one sequence at a time, in float32, each decoder
-    layer is one call of the C++ kernel of :mod:`xpress.kernels`, built on first use; batches keep the
-    PyTorch path) or ``auto`` (fused in float32 on a CPU with AVX2 and FMA but no AVX-512, the class of CPU
-    it was measured on, where it builds; else torch). The choices made are recorded in every provenance.
+    layer a sequence of PyTorch operations), ``fused`` (one sequence at a time, and regeneration's continuous
+    batching, each decoder layer is one call of the C++ kernel of :mod:`xpress.kernels`, built on first use,
+    in float32, or in bf16 with its products on AMX tiles; ragged batches keep the PyTorch layer) or ``auto``
+    (fused in float32 on a CPU with AVX2 and FMA but no AVX-512 and in bf16 on a CPU with AMX-BF16, the
+    classes of CPU it was measured on, where it builds; else torch). The choices made are recorded in every provenance.
     """
 
     source: str = "random"

@@ -41,7 +41,8 @@ def status() -> dict[str, Any]:
 
 
 def fused_cpu():
-    """The compiled fused float32 kernels (``pack``, ``linear``, ``rms_norm``, ``layer``), or None."""
+    """The compiled fused kernels (``pack``, ``linear``, ``rms_norm``, ``layer``, ``layer_rows``; float32, and
+    bf16 products on AMX tiles where ``amx_ready()``: ``pack_bf16``), or None."""
     if "module" in _state:
         return _state["module"]
     module, reason, openmp = None, "", False

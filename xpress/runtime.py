@@ -23,10 +23,11 @@ weights make a step memory-bound). This module runs the same weights with
   speculative decoding equals greedy decoding by construction, not by luck. Long prefills run in chunks
   of :data:`ROW_CHUNK` tokens.
 
-In float32 on an AVX2 CPU, one sequence at a time (AR and speculative decoding at batch 1), each decoder
-layer can instead be one call of a C++ kernel (``target.kernels``, :mod:`xpress.kernels`,
-``xpress/csrc/fused_cpu.cpp``): the same function, row-invariant by the same construction (every row's
-arithmetic is fixed whatever the number of rows), without the ~60 PyTorch dispatches a layer costs here.
+In float32 on an AVX2 CPU, and in bf16 on a CPU with AMX tiles (whose products it then runs, any number of
+rows at about the cost of one), each decoder layer can instead be one call of a C++ kernel
+(``target.kernels``, :mod:`xpress.kernels`, ``xpress/csrc/fused_cpu.cpp``): the same function, row-invariant
+by the same construction (every row's arithmetic is fixed whatever the number of rows), without the ~60
+PyTorch dispatches a layer costs here.
 
 Supported: ``model_type`` in :data:`SUPPORTED` with default RoPE (Llama: SmolLM2; Qwen3: per-head q/k
 RMSNorm). Anything else runs through transformers (``target.runtime: transformers``).
