@@ -253,3 +253,17 @@ def test_provenance_names_the_cpu_class():
     assert utils.cpu_class({"machine": {"cpu_model": "x"}}) == ""  # an older block: no claim
     old = {**bf16, "machine": {"cpu_model": "AMD EPYC", "torch_threads": 2}, "target_runtime": {}}
     assert report._where(old).startswith("AMD EPYC, 2 torch threads")
+
+
+def test_the_float32_floor_is_not_claimed_for_a_bf16_target():
+    """The README's roofline line is a float32 bound; for a target that computes in another dtype (bf16 on
+    AMX tiles, whose verify can cost less than that floor) it says that the bound does not apply."""
+    from xpress import report
+
+    roof = {"threads": 2, "fma_per_s": 1.2e11, "fma_per_s_one_thread": 6e10, "rows": 16, "macs_per_token": 134e6,
+            "verify_floor_s": 0.017, "floor_ratio": 1.5, "step_1_s": 0.011, "step_weight_gb_per_s": 48.0}
+    ceiling = {"block_size": 16, "verify_cost": {"loop_ratio": 1.36}, "roofline": roof}
+    f32 = "\n".join(report._break_even_section(None, None, {**ceiling, "runtime": {"dtype": "float32"}}))
+    bf16 = "\n".join(report._break_even_section(None, None, {**ceiling, "runtime": {"dtype": "bfloat16"}}))
+    assert "for any float32 kernel." in f32 and "does not bind" not in f32
+    assert "computes in bfloat16, so that floor does not bind it" in bf16

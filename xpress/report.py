@@ -153,8 +153,12 @@ def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> 
                        f"one thread alone {roof['fma_per_s_one_thread'] / 1e9:.1f}); a "
                        f"{roof['rows']}-token verify needs {roof['macs_per_token'] / 1e6:.0f} M of them per token, at least "
                        f"{roof['verify_floor_s'] * 1e3:.1f} ms = {roof['floor_ratio']:.2f} one-token steps "
-                       f"({roof['step_1_s'] * 1e3:.1f} ms, reading {roof['step_weight_gb_per_s']:.1f} GB/s of weights) for "
-                       f"any float32 kernel.")
+                       f"({roof['step_1_s'] * 1e3:.1f} ms, reading {roof['step_weight_gb_per_s']:.1f} GB/s of float32 weights) "
+                       f"for any float32 kernel.")
+            dtype = (ceiling.get("runtime") or {}).get("dtype", "float32")
+            if dtype != "float32":
+                out[-1] += (f" This target computes in {dtype}, so that floor does not bind it, and its step reads "
+                            f"half those bytes.")
     if t1:
         for c in t1.get("stage_costs", []):
             if c["temperature"] == 0:
