@@ -321,10 +321,52 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
 def test_without_the_kernels_auto_falls_back_and_fused_refuses(monkeypatch):
     monkeypatch.setattr(kn, "_state", {})
     monkeypatch.setenv("XPRESS_KERNELS", "0")
-    assert kn.fused_cpu() is None and kn.status() == {"built": False, "reason": "XPRESS_KERNELS=0", "openmp": False}
+    assert kn.fused_cpu() is None and kn.status() == {"built": False, "reason": "XPRESS_KERNELS=0", "openmp": False,
+                                                "products": "float32"}
     t = load_target(load_config("smoke", ["target.kernels=auto"]))
     assert t.meta["kernels"] == "torch" and t.runtime.kernels is None
     if not rt.cpu_features()["avx512f"]:
         assert "XPRESS_KERNELS=0" in t.meta["kernels_reason"]
         with pytest.raises(TargetError, match="set target.kernels=torch"):
             load_target(load_config("smoke", ["target.kernels=fused"]))
+
+
+def test_drafter_products_follow_the_target_onto_amx_tiles(fused):
+    """Where the target runs bf16 products on AMX tiles, kernels.linear (a drafter's products) and the heads'
+    readout do too (weights and inputs rounded to bf16, float32 sums: a float64 product of the rounded operands
+    to float32 rounding, each row alone), the choice is recorded, and speculative decoding with a model drafter
+    stays greedy AR token for token; a float32 target puts them back in float32. Refused without AMX tiles."""
+    from xpress.proposer import new_drafter
+    from xpress.heads import randomize_
+
+    before = kn.bf16_products()
+    try:
+        if not fused.amx_ready():
+            with pytest.raises(ValueError, match="AMX"):
+                kn.use_bf16_products(True)
+            pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+        over = ["target.dtype=bfloat16", "target.kernels=auto"]
+        target = load_target(load_config("smoke", over))
+        assert kn.bf16_products() and target.meta["drafter_products"] == kn.status()["products"] == "bfloat16"
+        torch.manual_seed(3)
+        w, x = torch.randn(48, 64), torch.randn(9, 64)
+        with torch.no_grad():
+            y = kn.linear(x, w)
+            ref = (x.bfloat16().double() @ w.bfloat16().double().T).float()
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            assert (id(w), "bf16") in kn._packed and kn._packed[(id(w), "bf16")][2].dtype == torch.bfloat16
+            assert torch.equal(kn.linear(x[4:5], w), y[4:5])  # a row's bits alone
+            odd = torch.randn(48, 40)  # 40 input features: not the tiles' depth, so float32
+            torch.testing.assert_close(kn.linear(x[:, :40], odd), x[:, :40] @ odd.T, rtol=1e-5, atol=1e-5)
+        cfg = load_config("smoke", over)
+        drafter = new_drafter("xpress", cfg, target, seed=0)
+        randomize_(drafter.head, generator=torch.Generator().manual_seed(0))
+        z = torch.randn(3, drafter.head.rank)
+        with torch.no_grad():
+            torch.testing.assert_close(drafter.head.readout(z), kn.linear(z, drafter.head.w_r.weight))
+        prompt = encode_chat(target.tokenizer, ["Write a haiku about rain."])
+        assert generate_speculative(target, drafter, prompt, 40).token_ids == generate_ar(target, prompt, 40).token_ids
+        back = load_target(load_config("smoke", ["target.dtype=float32", "target.kernels=fused"]))
+        assert not kn.bf16_products() and back.meta["drafter_products"] == "float32"
+    finally:
+        kn.use_bf16_products(before)

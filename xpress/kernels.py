@@ -30,14 +30,22 @@ SOURCE = REPO_ROOT / "xpress" / "csrc" / "fused_cpu.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the source does not write
 OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers: without it, one thread
 _state: dict[str, Any] = {}
-_packed: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
-# ids of the weights -> (the weights, their versions, their packed stack): _packed_copy()'s copies
+_packed: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
+# ids of the weights (+ "bf16" for a bf16 copy) -> (the weights, their versions, their packed stack): _packed_copy()'s
 
 
 def status() -> dict[str, Any]:
-    """``{"built": bool, "reason": str, "openmp": bool}`` of the last :func:`fused_cpu` call (empty before
-    any); ``openmp`` False: built without OpenMP, so the kernels run on one thread."""
-    return dict(_state.get("status", {}))
+    """``{"built": bool, "reason": str, "openmp": bool, "products": str}`` of the last :func:`fused_cpu` call
+    (empty before any); ``openmp`` False: built without OpenMP, so the kernels run on one thread; ``products``:
+    ``"bfloat16"`` or ``"float32"``, what :func:`linear` multiplies in (:func:`use_bf16_products`)."""
+    if "status" not in _state:
+        return {}
+    return {**_state["status"], "products": "bfloat16" if bf16_products() else "float32"}
+
+
+def bf16_products() -> bool:
+    """Whether :func:`linear` runs bf16 products on AMX tiles (:func:`use_bf16_products`)."""
+    return _state.get("bf16_products", False)
 
 
 def fused_cpu():
@@ -66,6 +74,19 @@ def fused_cpu():
     return module
 
 
+def use_bf16_products(on: bool) -> None:
+    """Whether :func:`linear` and :func:`linears` run their products on AMX tiles with the weights rounded to
+    bf16 (the inputs are rounded inside, the sums stay float32), for weights over a multiple of 32 input
+    features; otherwise float32. The target loader sets it to whether the target itself runs bf16 products
+    on AMX (:func:`xpress.targets.choose_runtime`), so that a drafter computes at the precision its target
+    does and as bf16 autocast trained it, reading half the bytes. ``status()["products"]`` says which.
+    Refused (ValueError) where the module is not loaded or has no AMX tiles."""
+    mod = _state.get("module")
+    if on and (mod is None or not mod.amx_ready()):
+        raise ValueError("bf16 products need the fused kernels loaded on a CPU with AMX tiles (fused_cpu().amx_ready())")
+    _state["bf16_products"] = bool(on)
+
+
 def _kernel_for(x: torch.Tensor, *weights: torch.Tensor):
     """The loaded module where :func:`linear` may use it for ``x`` and every one of ``weights``, else None."""
     mod = _state.get("module")
@@ -84,7 +105,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     The weight is packed once and the copy kept (weakly, per tensor) until the tensor changes in place. At a
     few rows on two cores the kernel runs a small drafter's products 1.4-3x faster than F.linear: it streams
     each packed panel once, where the library's general kernel is tuned for larger products. The kernel is
-    row-invariant (a row's output does not depend on the other rows), F.linear is not."""
+    row-invariant (a row's output does not depend on the other rows), F.linear is not. Where the target runs
+    bf16 products on AMX (:func:`use_bf16_products`), so does this, for weights over a multiple of 32 inputs."""
     mod = _kernel_for(x, weight)
     if mod is None:
         return F.linear(x, weight)
@@ -109,13 +131,14 @@ def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.T
 def _packed_copy(mod, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The kernel's packed copy of ``weights`` stacked along the outputs, made once and kept (weakly: it
     goes with any of the weights) until one of them changes in place."""
-    key = tuple(id(w) for w in weights)
+    bf16 = bf16_products() and weights[0].shape[1] % 32 == 0  # the AMX tiles' depth
+    key = tuple(id(w) for w in weights) + (("bf16",) if bf16 else ())
     kept = _packed.get(key)
     versions = tuple(version(w) for w in weights)
     if kept is None or any(r() is not w for r, w in zip(kept[0], weights)) or kept[1] != versions:
         refs = tuple(weakref.ref(w, lambda _, k=key: _packed.pop(k, None)) for w in weights)  # dropped with any
         stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-        kept = _packed[key] = (refs, versions, mod.pack(stacked.contiguous()))
+        kept = _packed[key] = (refs, versions, (mod.pack_bf16 if bf16 else mod.pack)(stacked.contiguous()))
     return kept[2]
 
 

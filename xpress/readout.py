@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 PACK_ROWS = 16  # the batch the readout weight is reordered for (a Jacobi pass reads out <= P rows per block)
 ARGMAX_CHUNK = 256  # vocabulary slice of :func:`argmax_last` and of the certified argmax
 FAST_MIN_VOCAB = 32768  # vocabulary size from which ``fast=None`` uses the certified bfloat16 argmax
@@ -129,9 +131,12 @@ class Readout:
 
     # ----------------------------------------------------------------------------------- logits
     def logits(self, w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``W z``: z [..., r] -> [..., V] float32."""
+        """``W z``: z [..., r] -> [..., V] float32. Where the target's products run bf16 on AMX tiles, so does
+        this (:func:`xpress.kernels.linear`: half the bytes of the float32 copy)."""
         if self._plain(z, w):
             return F.linear(z, w).float()
+        if kernels.bf16_products() and z.numel():
+            return kernels.linear(z, w)
         self._refresh(w)
         flat = z.reshape(-1, z.shape[-1])
         if self._packed is None or flat.shape[0] == 0:

@@ -379,6 +379,7 @@ def hub_location(cfg: Config) -> tuple[str, bool]:
 def _load_target(cfg: Config) -> Target:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from . import kernels as kn
     from .runtime import record_choice, resolve_dtype
 
     tc = cfg.target
@@ -419,6 +420,9 @@ def _load_target(cfg: Config) -> Target:
                 p.copy_(p.to(lean.dtype))
     if lean is None and model.dtype != resolve_dtype(tc.dtype):
         model = model.to(resolve_dtype(tc.dtype))
+    kn.use_bf16_products(lean is not None and lean.kernels is not None and lean.dtype == torch.bfloat16)
+    # what a drafter's float32 products run in: the fused kernels' float32 or AMX bf16, else F.linear
+    choice["drafter_products"] = kn.status().get("products", "F.linear")
     meta.update(choice)
     record_choice(choice)
     n_layers = int(model.config.num_hidden_layers)
