@@ -22,6 +22,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .readout import argmax_last
+
 
 @dataclass
 class Finished:
@@ -121,7 +123,7 @@ def generate_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: in
             continue
         rows = torch.tensor(sorted(running), dtype=torch.long)
         normed, logits, feats = lean.step_rows(last[rows], cache, rows, lengths[rows].contiguous(), layers)
-        chosen = logits.argmax(-1).tolist()
+        chosen = argmax_last(logits).tolist()
         if layers is not None:
             # one row at a time: a reduction over [m, V] may sum in another order than over one row's [V]
             f16 = (feats.to(torch.float16).numpy(), normed.to(torch.float16).numpy(),
