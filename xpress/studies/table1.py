@@ -310,7 +310,9 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
     result = {"what": "Table 1: tau by decoding held-out benchmark prompts and speedup over AR, batch 1, "
                       "interleaved per prompt",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
-              "max_iters": cfg.head.max_iters, "benchmarks": list(cfg.data.benchmarks), "methods": methods,
+              "max_iters": cfg.head.max_iters,
+              "draft_tokens": cfg.decode.draft_tokens or cfg.drafter.block_size - 1,  # k verified per round
+              "benchmarks": list(cfg.data.benchmarks), "methods": methods,
               "weights": weights_of(drafters), "prompts_per_benchmark": per_benchmark,
               "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": [0.0] + ([temperature] if seeds else []),
               "sampling_seeds": seeds, "bootstrap_resamples": e.bootstrap,
