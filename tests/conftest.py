@@ -6,9 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from xpress import paths
+from xpress import kernels, paths
 from xpress.config import load_config
 from xpress.targets import load_target
+
+
+@pytest.fixture(autouse=True)
+def _float32_drafter_products():
+    """Each test starts with the drafters' products in float32: ``kernels.use_bf16_products`` is process state
+    that loading a bf16 target on an AMX CPU turns on (xpress.targets), and a test must not inherit it from
+    whichever test loaded a target before it. A test that loads such a target gets bf16 products from then on."""
+    kernels._state["bf16_products"] = False
+    yield
 
 
 @pytest.fixture(scope="session")
