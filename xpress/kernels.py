@@ -31,7 +31,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the so
 OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers: without it, one thread
 _state: dict[str, Any] = {}
 _packed: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
-# ids of the weights (+ "bf16" for a bf16 copy) -> (the weights, their versions, their packed stack): _packed_copy()'s
+# ids of the weights (+ "bf16" for a bf16 copy) -> (the weights, their versions, their packed stack): the copies
+# that _packed_copy() keeps
 
 
 def status() -> dict[str, Any]:
@@ -77,8 +78,8 @@ def fused_cpu():
 def use_bf16_products(on: bool) -> None:
     """Whether :func:`linear` and :func:`linears` run their products on AMX tiles with the weights rounded to
     bf16 (the inputs are rounded inside, the sums stay float32), for weights over a multiple of 32 input
-    features; otherwise float32. The target loader sets it to whether the target itself runs bf16 products
-    on AMX (:func:`xpress.targets.choose_runtime`), so that a drafter computes at the precision its target
+    features; otherwise float32. The target loader (:func:`xpress.targets.load_target`) sets it to whether the
+    target itself runs bf16 products on AMX, so that a drafter computes at the precision its target
     does and as bf16 autocast trained it, reading half the bytes. ``status()["products"]`` says which.
     Refused (ValueError) where the module is not loaded or has no AMX tiles."""
     mod = _state.get("module")
