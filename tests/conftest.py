@@ -16,7 +16,7 @@ def _float32_drafter_products():
     """Each test starts with the drafters' products in float32: ``kernels.use_bf16_products`` is process state
     that loading a bf16 target on an AMX CPU turns on (xpress.targets), and a test must not inherit it from
     whichever test loaded a target before it. A test that loads such a target gets bf16 products from then on."""
-    kernels._state["bf16_products"] = False
+    kernels.use_bf16_products(False)
     yield
 
 

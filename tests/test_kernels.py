@@ -8,6 +8,8 @@ from xpress import kernels as kn
 from xpress import runtime as rt
 from xpress.config import ConfigError, load_config
 from xpress.decoding import generate_ar, generate_speculative, generate_speculative_batch
+from xpress.heads import randomize_
+from xpress.proposer import new_drafter
 from xpress.reference_drafters import OracleDrafter, RandomDrafter
 from xpress.targets import TargetError, encode_chat, load_target, target_forward
 
@@ -336,9 +338,6 @@ def test_drafter_products_follow_the_target_onto_amx_tiles(fused):
     readout do too (weights and inputs rounded to bf16, float32 sums: a float64 product of the rounded operands
     to float32 rounding, each row alone), the choice is recorded, and speculative decoding with a model drafter
     stays greedy AR token for token; a float32 target puts them back in float32. Refused without AMX tiles."""
-    from xpress.proposer import new_drafter
-    from xpress.heads import randomize_
-
     before = kn.bf16_products()
     try:
         if not fused.amx_ready():

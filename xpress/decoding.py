@@ -61,7 +61,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     ``c`` the running sum of the row in float64 (each token's mass is its probability to about 1e-16; a zero
     wins only if ``u * total`` rounds up to the total, and then it is the last token). ``torch.multinomial``
     draws from the same distribution but took 1,052 us a row over a 49k vocabulary on two CPU cores, about a
-    tenth of a decoding step; this took 57 us."""
+    tenth of a decoding step; this took 57 us (a one-off micro-benchmark on a 2-core Xeon)."""
     cdf = probs.double().cumsum(-1)  # [b, V]
     u = torch.rand(probs.shape[:-1] + (1,), generator=generator, dtype=torch.float64, device=probs.device)
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
@@ -69,8 +69,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 def choose_token(logits: torch.Tensor, temperature: float,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """Argmax (T = 0; :func:`xpress.readout.argmax_last`, ``argmax``'s result 3-5x sooner over a 49k vocabulary
-    on a CPU) or a draw from ``softmax(logits / T)``: ``logits`` [b, V] -> [b] int64."""
+    """Argmax (T = 0; :func:`xpress.readout.argmax_last`, ``argmax``'s result, 3-5x sooner over a 49k vocabulary
+    in a one-off micro-benchmark on a 2-core Xeon) or a draw from ``softmax(logits / T)``: ``logits`` [b, V] -> [b] int64."""
     if temperature == 0:
         return argmax_last(logits)
     return sample(target_probs(logits, temperature), generator)
