@@ -14,17 +14,25 @@ from xpress.targets import target_forward
 N_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+# head width 32: the bf16 layer's attention runs on the AMX tiles too (the smoke target's 16 keeps float32)
+WIDE_HEADS = ["target.random_hidden=128", "target.random_heads=4", "target.random_kv_heads=2"]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-tiles"])
 def fused(request):
-    """The smoke target on the fused kernels: float32 (any AVX2 CPU) and bf16 (AMX tiles), where they run."""
+    """The smoke target on the fused kernels: float32 (any AVX2 CPU) and bf16 (AMX tiles), where they run;
+    bf16 with heads of width 32, whose attention products run on the tiles as well."""
     from xpress.config import load_config
     from xpress.targets import TargetError, load_target
 
+    dtype = request.param.removesuffix("-tiles")
+    over = ["target.kernels=fused", f"target.dtype={dtype}", *(WIDE_HEADS if "tiles" in request.param else [])]
     try:
-        target = load_target(load_config("smoke", ["target.kernels=fused", f"target.dtype={request.param}"]))
+        target = load_target(load_config("smoke", over))
     except TargetError as e:
-        pytest.skip(f"the fused CPU kernels do not run {request.param} here: {e}")
+        pytest.skip(f"the fused CPU kernels do not run {dtype} here: {e}")
     assert continuous.available(target)
+    assert target.runtime.tile_attention == ("tiles" in request.param)
     return target
 
 

@@ -633,7 +633,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "prompt_ids": [pid for pid, _ in prompts], "max_new_tokens": max_new_tokens, "repeats": repeats,
         "order": f"interleaved per prompt: {', '.join(runners)}, ... (each repeat)",
         "runtime": {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting", "runtime_setting", "kernels",
-                                               "kernels_reason", "row_invariance", "cpu_features")},
+                                               "kernels_reason", "attention", "row_invariance", "cpu_features")},
         "ar_tokens_per_s": spreads["ar_tokens_per_s"]["median"],
         "oracle_tokens_per_s": spreads["oracle_tokens_per_s"]["median"],
         "speedup": None if flag else measured,

@@ -46,7 +46,10 @@ class TargetConfig:
     batching, each decoder layer is one call of the C++ kernel of :mod:`xpress.kernels`, built on first use,
     in float32, or in bf16 with its products on AMX tiles; ragged batches keep the PyTorch layer) or ``auto``
     (fused in float32 on a CPU with AVX2 and FMA but no AVX-512 and in bf16 on a CPU with AMX-BF16, the
-    classes of CPU it was measured on, where it builds; else torch). The choices made are recorded in every provenance.
+    classes of CPU it was measured on, where it builds; else torch). attention, for the fused bf16 layer:
+    ``auto`` runs attention's two products (q.k, p.v) on the AMX tiles too, in bf16 with float32 sums, where
+    the head width is a multiple of 32; ``float32`` keeps them in float32 (the path before). The choices made
+    are recorded in every provenance.
     """
 
     source: str = "random"
@@ -55,6 +58,7 @@ class TargetConfig:
     dtype: str = "float32"  # float32, bfloat16, float16 or auto
     runtime: str = "auto"  # auto, lean or transformers
     kernels: str = "auto"  # auto, fused or torch (the lean runtime's layer: C++ or PyTorch operations)
+    attention: str = "auto"  # auto or float32: the fused bf16 layer's attention products on AMX tiles or not
     device: str = "cpu"
     max_context: int = 8192  # prompt + generation; longer prompts are refused
     # shape of the `random` target, and of the rehearsal target that xpress.rehearsal writes for a hub folder
@@ -196,6 +200,8 @@ class Config:
                f"target.runtime={self.target.runtime!r}: use auto, lean or transformers")
         _check(self.target.kernels in {"auto", "fused", "torch"},
                f"target.kernels={self.target.kernels!r}: use auto, fused or torch")
+        _check(self.target.attention in {"auto", "float32"},
+               f"target.attention={self.target.attention!r}: use auto or float32")
         _check(self.target.source != "hub" or bool(self.target.model),
                "target.model is empty: give a hub id or a local folder for target.source=hub")
         _check(self.target.max_context > 0, "target.max_context must be positive")

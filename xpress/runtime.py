@@ -196,6 +196,26 @@ class _RowKV(StaticKV):
             raise ValueError(f"a cache row holds {self.capacity} columns, {length} were asked: allocate a larger cache")
 
 
+GATE_UP_BLOCK = 16  # the fused kernels' panel width: a thread that computes 16 gate columns has their up columns
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate and up weights [I, H] each as one [2 I, H] weight whose rows alternate in blocks of
+    :data:`GATE_UP_BLOCK` (gate rows 0-15, up rows 0-15, gate rows 16-31, ...): one product gives both, and in the
+    fused kernels the thread that computed a block of gate columns applies SiLU(gate) * up to it
+    (``silu_panel`` in xpress/csrc/fused_cpu.cpp). :func:`split_gate_up` undoes it on the product."""
+    I, b = gate.shape[0], GATE_UP_BLOCK
+    if I % b:
+        raise RuntimeUnsupported(f"an MLP width of {I} (the lean runtime needs a multiple of {b})")
+    return torch.stack([gate.detach().view(I // b, b, -1), up.detach().view(I // b, b, -1)], 1).reshape(2 * I, -1)
+
+
+def split_gate_up(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate, up [..., I] from the product [..., 2 I] with an :func:`interleave_gate_up` weight."""
+    blocks = gu.unflatten(-1, (-1, 2, GATE_UP_BLOCK))
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -282,7 +302,7 @@ class LayerWeights:
     wqkv: Linear  # [(nh + 2 nkv) hd, H]
     wo: Linear  # [H, nh hd]
     ln2: torch.Tensor  # [H] float32
-    wgu: Linear  # [2 I, H]: gate rows, then up rows
+    wgu: Linear  # [2 I, H]: gate and up rows interleaved in blocks of 16 (interleave_gate_up)
     wd: Linear  # [H, I]
     q_norm: torch.Tensor | None  # [hd] float32 (Qwen3) or None
     k_norm: torch.Tensor | None
@@ -296,10 +316,11 @@ class LeanModel:
     statistics stay float32. ``kernels``: the compiled module of :func:`xpress.kernels.fused_cpu`, or None.
     Given one (float32, a Llama model), a forward of one sequence runs each decoder layer as one C++ call
     (:meth:`_fused_block`), exact by the same construction; batches of several rows run the PyTorch layer
-    with the C++ kernel's products (:class:`Linear`).
+    with the C++ kernel's products (:class:`Linear`). ``attention``: ``auto`` puts a fused bf16 layer's
+    attention products on the AMX tiles too (:attr:`tile_attention`), ``float32`` keeps them in float32.
     """
 
-    def __init__(self, model: Any, dtype: torch.dtype, kernels: Any = None) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, kernels: Any = None, attention: str = "auto") -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise RuntimeUnsupported(f"model_type {cfg.model_type!r} (the lean runtime runs {', '.join(SUPPORTED)})")
@@ -329,6 +350,8 @@ class LeanModel:
         if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
+        # the fused bf16 layer's attention products on AMX tiles (attend_amx in xpress/csrc/fused_cpu.cpp)
+        self.tile_attention = (kernels is not None and bf16 and self.head_dim % 32 == 0 and attention == "auto")
         # the dtype activations are cast to before a product, and the K/V cache's: the matmul dtype, except
         # with the fused kernels, which take float32 activations (bf16 products round them inside)
         self.act = torch.float32 if kernels is not None else dtype
@@ -354,7 +377,7 @@ class LeanModel:
         for layer in base.layers:
             at, mlp = layer.self_attn, layer.mlp
             wqkv = w(torch.cat([heads(at.q_proj.weight), heads(at.k_proj.weight), at.v_proj.weight]))
-            wo, wgu = w(at.o_proj.weight), w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            wo, wgu = w(at.o_proj.weight), w(interleave_gate_up(mlp.gate_proj.weight, mlp.up_proj.weight))
             wd = w(mlp.down_proj.weight)
             self.layers.append(LayerWeights(
                 ln1=layer.input_layernorm.weight.detach().to(f32), wqkv=wqkv, wo=wo,
@@ -481,7 +504,7 @@ class LeanModel:
         for i, lw in enumerate(self.layers):
             wqkv, wo, wgu, wd = lw.fused
             h = self.kernels.layer_rows(h, lw.ln1, wqkv, wo, lw.ln2, wgu, wd, rot, cache.keys[i], cache.values[i],
-                                        rows, lengths, self.n_heads, self.n_kv, self.eps)
+                                        rows, lengths, self.n_heads, self.n_kv, self.eps, self.tile_attention)
             if i in want:
                 feats[i] = h
         normed = self.kernels.rms_norm(h, self.norm, self.eps).to(self.dtype)  # what the LM head reads
@@ -508,7 +531,7 @@ class LeanModel:
         for i, lw in enumerate(self.layers):
             wqkv, wo, wgu, wd = lw.fused
             h = self.kernels.layer(h, lw.ln1, wqkv, wo, lw.ln2, wgu, wd, rot, cache.keys[i][0], cache.values[i][0],
-                                   L, self.n_heads, self.n_kv, self.eps)
+                                   L, self.n_heads, self.n_kv, self.eps, self.tile_attention)
             if i in want:
                 feats.append(h[None])
         cache.advance(n)
@@ -555,7 +578,7 @@ class LeanModel:
         att = invariant_attention(q, keys[:, :, :Lc], values[:, :, :Lc], bias, g)  # [b, nkv, n g, hd]
         att = att.view(b, nkv, n, g, hd).transpose(1, 2).reshape(b, n, nh * hd)
         h = h + lw.wo(att.to(self.act)).float()
-        gate, up = lw.wgu(self._rms(h, lw.ln2).to(self.act)).chunk(2, dim=-1)
+        gate, up = split_gate_up(lw.wgu(self._rms(h, lw.ln2).to(self.act)))
         return h + lw.wd((F.silu(gate) * up).to(self.act)).float()
 
 

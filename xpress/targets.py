@@ -295,7 +295,7 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
         return None, record
     kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, dtype, model)
     try:
-        lean = rt.LeanModel(model, dtype, kernels=kernels)
+        lean = rt.LeanModel(model, dtype, kernels=kernels, attention=tc.attention)
     except rt.RuntimeUnsupported as e:
         if tc.runtime == "lean":
             raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
@@ -308,9 +308,11 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
             log.warning("bf16 forwards on this CPU are not row-invariant (max |diff| %.3g); the target "
                         "computes in float32", check["max_abs_diff"])
             kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, torch.float32, model)
-            lean = rt.LeanModel(model, torch.float32, kernels=kernels)
+            lean = rt.LeanModel(model, torch.float32, kernels=kernels, attention=tc.attention)
             record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check",
                           row_invariance=rt.check_row_invariance(lean))
+    record["attention"] = ("bf16 products on AMX tiles" if lean.tile_attention else "float32 (fused kernel)"
+                           if lean.kernels is not None else f"PyTorch, {str(lean.act).removeprefix('torch.')}")
     return lean, record
 
 

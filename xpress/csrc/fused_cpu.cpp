@@ -20,7 +20,8 @@
 //
 // Shapes: n rows (tokens), H hidden, I intermediate, nh / nkv query / key-value heads of width hd,
 // g = nh / nkv; weights packed by pack(): [N / 16, K, 16] for a [N, K] nn.Linear weight (float32), or by
-// pack_bf16(): [N / 16, K / 2, 16, 2] (bf16).
+// pack_bf16(): [N / 16, K / 2, 16, 2] (bf16). The MLP's gate and up weights come as one [2 I, H] weight whose
+// rows alternate in blocks of 16 (16 gate rows, the same 16 up rows, ...: xpress.runtime.interleave_gate_up).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -152,11 +153,21 @@ inline void panel_all_rows(const float* x, int64_t M, int64_t K, const float* w,
 // Larger products (regeneration's batches) walk a group of panels once per row block, from cache. No order
 // changes a single output element's sequence of operations. (Equal runs at one row measured slower: the
 // runs' ends fall off the four-panel kernel.)
-void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* o) {
-  const int64_t P = N / 16;
+// done(p0, p1): called on each thread once its run of panels p0..p1-1 is written for every row (an epilogue
+// on those output columns, without another parallel region); its runs are whole pairs of panels where
+// `pairs` (PANELS_PER_TASK is even).
+struct NoEpilogue {
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <class Done = NoEpilogue>
+void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* o, bool pairs = false,
+                 Done done = {}) {
+  const int64_t P = N / 16, u = pairs ? 2 : 1;
   if (M > 6 && M * K <= PANEL_MAJOR_X) {
-    at::parallel_for(0, P, PANELS_PER_TASK, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) panel_all_rows(x, M, K, W + p * K * 16, o + p * 16, N);
+    at::parallel_for(0, P / u, PANELS_PER_TASK / u, [&](int64_t u0, int64_t u1) {
+      for (int64_t p = u0 * u; p < u1 * u; ++p) panel_all_rows(x, M, K, W + p * K * 16, o + p * 16, N);
+      done(u0 * u, u1 * u);
     });
     return;
   }
@@ -165,6 +176,7 @@ void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N
       const int64_t p0 = g * PANELS_PER_TASK, p1 = std::min(P, p0 + PANELS_PER_TASK);
       for (int64_t m = 0; m < M; m += 6) row_block(x, M, m, K, W, p0, p1, o, N);  // panels stay in cache
     }
+    done(g0 * PANELS_PER_TASK, std::min(P, g1 * PANELS_PER_TASK));
   });
 }
 
@@ -259,11 +271,15 @@ inline void amx_config2(int r1) {  // tmm0, tmm1, tmm4: 16 rows; tmm2, tmm3, tmm
 // out[M, N] = bf16(x[M, K]) @ W.T in float32, W packed by pack_bf16(); the threads take equal runs of panels,
 // each group of four serving every block of rows before the next group (its weights come from memory once):
 // pairs of 16-row blocks first (amx_block2), then what is left in blocks of up to 16 (amx_block).
-void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o) {
+// done, pairs: as linear_into's.
+template <class Done = NoEpilogue>
+void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o,
+                      bool pairs = false, Done done = {}) {
   uint16_t* xb = scratch<uint16_t, 0>(static_cast<size_t>(M * K));
   to_bf16(x, M * K, xb);
-  const int64_t P = N / 16, ps = K * 16;
-  at::parallel_for(0, P, 1, [&](int64_t q0, int64_t q1) {  // equal runs of panels (36 panels go 18 + 18)
+  const int64_t P = N / 16, ps = K * 16, u = pairs ? 2 : 1;
+  at::parallel_for(0, P / u, 1, [&](int64_t u0, int64_t u1) {  // equal runs of panels (36 panels go 18 + 18)
+    const int64_t q0 = u0 * u, q1 = u1 * u;
     for (int64_t p0 = q0; p0 < q1; p0 += PANELS_PER_TASK) {
       const int64_t p1 = std::min(q1, p0 + PANELS_PER_TASK);
       int64_t m = 0;
@@ -288,10 +304,21 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
       }
     }
     _tile_release();
+    done(q0, q1);
   });
 }
 #pragma GCC pop_options
 #endif
+
+// Whether this CPU runs AVX-512F: the row loops then take 16 lanes at a time (the same values as 8)
+inline bool wide() {
+#ifdef XP_AMX
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+#else
+  return false;
+#endif
+}
 
 // Asks Linux for the AMX tile state (once per process); true where the CPU and kernel grant it.
 bool amx_ready() {
@@ -303,12 +330,15 @@ bool amx_ready() {
 #endif
 }
 
-// out[M, N] = x[M, K] @ W.T for W packed by pack() (float32) or pack_bf16() (bf16, AMX)
-void product(const float* x, int64_t M, int64_t K, const torch::Tensor& W, int64_t N, float* o) {
-  if (W.scalar_type() == torch::kFloat32) return linear_into(x, M, K, W.data_ptr<float>(), N, o);
+// out[M, N] = x[M, K] @ W.T for W packed by pack() (float32) or pack_bf16() (bf16, AMX); then done(p0, p1)
+// on each thread for its run of panels (whole pairs of panels where `pairs`)
+template <class Done = NoEpilogue>
+void product(const float* x, int64_t M, int64_t K, const torch::Tensor& W, int64_t N, float* o, bool pairs = false,
+             Done done = {}) {
+  if (W.scalar_type() == torch::kFloat32) return linear_into(x, M, K, W.data_ptr<float>(), N, o, pairs, done);
 #ifdef XP_AMX
   TORCH_CHECK(amx_ready() && K % 32 == 0, "bf16 products need AMX tiles and K % 32 == 0");
-  linear_bf16_into(x, M, K, reinterpret_cast<const uint16_t*>(W.data_ptr()), N, o);
+  linear_bf16_into(x, M, K, reinterpret_cast<const uint16_t*>(W.data_ptr()), N, o, pairs, done);
 #else
   TORCH_CHECK(false, "bf16 products need AMX (this build has none)");
 #endif
@@ -352,18 +382,6 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// y[j] = exp(x[j]) for j < len, 8 at a time (the tail padded with -inf, whose exp is 0)
-inline void exp_row(const float* x, float* y, int64_t len) {
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) _mm256_storeu_ps(y + j, exp8(_mm256_loadu_ps(x + j)));
-  if (j < len) {
-    float t[8];
-    for (int u = 0; u < 8; ++u) t[u] = j + u < len ? x[j + u] : -INFINITY;
-    _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
-    for (int u = 0; j + u < len; ++u) y[j + u] = t[u];
-  }
 }
 
 // ------------------------------------------------------------------------------------------ attention
@@ -519,6 +537,259 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
     }
 }
 
+#ifdef XP_AMX
+// ----------------------------------------------------------------------------- attention on AMX tiles
+// With bf16 weights on AMX, attention's two products run on the tiles too: q . k and p . v with bf16
+// operands (rounded to nearest even) and float32 sums, what a bf16 model's attention computes. Each score
+// and each output element is one TDPBF16PS sum over its own row of A and column of B, in order over the head
+// width (scores) or the key columns (outputs), from zero; so a query row's bits do not depend on the other
+// rows of its tile. The softmax is attend()'s, in float32, over the row's own columns 0..L+i; its numerators
+// are rounded to bf16, and zero past L+i (the rows of a verify see later columns than a step, whose extra
+// products are exact zeros: x + 0 * v = x). The cache stays float32 [cap, hd]: each call rounds the keys and
+// values it reads into the tiles' layouts (keys: blocks of 16 columns, pairs of head features adjacent;
+// values: pairs of key columns adjacent), a pass over the cache as long as attend()'s own.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+
+// exp8()'s operations on 16 lanes: the same value in every lane as exp8 gives it
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// lanes 0..left-1 set (left in 0..16)
+inline __mmask16 first(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(0, left)) - 1);
+}
+
+// The tiles' softmax of one row: s[c] <- s[c] * scale, then exp(s[c] - max) for c < cols; returns their sum,
+// accumulated lane by lane (c mod 16) in order of c, then over the lanes in a fixed order
+inline float softmax_numerators16(float* s, int64_t cols, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = first(cols - c);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + c), sv);
+    _mm512_mask_storeu_ps(s + c, k, v);
+    top = _mm512_mask_max_ps(top, k, top, v);
+  }
+  const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // a maximum: exact in any order
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = first(cols - c);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), tv)));
+    _mm512_mask_storeu_ps(s + c, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  alignas(64) float t[16];
+  _mm512_store_ps(t, sum);
+  float total = 0.0f;
+  for (int u = 0; u < 16; ++u) total += t[u];
+  return total;
+}
+
+// act[j] = gate[j] / (1 + exp(-gate[j])) * up[j], 16 at a time: the operations of the 8-lane loop in
+// decoder_layer, so the same values
+inline void silu16(const float* gate, const float* up, float* act, int64_t I) {
+  for (int64_t j = 0; j < I; j += 16) {
+    const __mmask16 k = first(I - j);
+    const __m512 gt = _mm512_maskz_loadu_ps(k, gate + j);
+    const __m512 en = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gt));
+    const __m512 a = _mm512_mul_ps(_mm512_div_ps(gt, _mm512_add_ps(_mm512_set1_ps(1.0f), en)),
+                                   _mm512_maskz_loadu_ps(k, up + j));
+    _mm512_mask_storeu_ps(act + j, k, a);
+  }
+}
+
+// the 16 x 16 matrix of 32-bit elements in r, transposed in place
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + q]: element 4 l + q of rows i..i+3, in 128-bit lane l
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a01 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x44), a23 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xEE);
+    const __m512i b01 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x44);
+    const __m512i b23 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xEE);
+    t[q] = _mm512_shuffle_i32x4(a01, b01, 0x88);
+    t[4 + q] = _mm512_shuffle_i32x4(a01, b01, 0xDD);
+    t[8 + q] = _mm512_shuffle_i32x4(a23, b23, 0x88);
+    t[12 + q] = _mm512_shuffle_i32x4(a23, b23, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// 32 floats (hi: the upper 16) -> 32 bf16 in order
+inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+// Keys kb [cap, hd] columns 0..width-1 (zero past them, up to W, a multiple of 16) -> kt: for each block of
+// 16 columns and each 32 head features, a B tile [16 feature pairs][16 columns][2] (1 KB)
+inline void keys_to_tiles(const float* kb, int64_t hd, int64_t width, int64_t W, uint16_t* kt) {
+  const int64_t KT = hd / 32;
+  for (int64_t cb = 0; cb < W / 16; ++cb)
+    for (int64_t k = 0; k < KT; ++k) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) {
+        const int64_t col = cb * 16 + c;
+        if (col < width) {
+          const float* src = kb + col * hd + k * 32;
+          r[c] = bf16x32(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16));
+        } else {
+          r[c] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(r);
+      uint16_t* dst = kt + (cb * KT + k) * 512;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 32, r[p]);
+    }
+}
+
+// Values vb [cap, hd] columns 0..width-1 (zero past them, up to W, a multiple of 32) -> vt: for each block of
+// 32 columns and each 16 head features, a B tile [16 column pairs][16 features][2] (1 KB)
+inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t W, uint16_t* vt) {
+  const int64_t DT = hd / 16;
+  alignas(64) static const uint16_t inter[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(inter);
+  for (int64_t c = 0; c < W; c += 2) {  // columns c, c + 1: row (c % 32) / 2 of the block's tiles
+    const float* a = vb + c * hd;
+    uint16_t* dst = vt + (c / 32) * DT * 512 + ((c % 32) / 2) * 32;
+    for (int64_t d = 0; d < DT; ++d) {
+      const __m512 x = c < width ? _mm512_loadu_ps(a + d * 16) : _mm512_setzero_ps();
+      const __m512 y = c + 1 < width ? _mm512_loadu_ps(a + hd + d * 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(dst + d * 512, _mm512_permutexvar_epi16(idx, bf16x32(x, y)));
+    }
+  }
+}
+
+// attend() on the tiles: the same rows, heads and outputs
+void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
+                int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32, KT = hd / 32;
+  uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
+  uint16_t* kt = scratch<uint16_t, 11>(static_cast<size_t>(W * hd));   // keys_to_tiles
+  uint16_t* vt = scratch<uint16_t, 12>(static_cast<size_t>(W * hd));   // values_to_tiles
+  float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
+  uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
+  float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const float* q = qkv + i * Q + (kh * g + j) * hd;
+      uint16_t* dst = qb + ((i - r0) * g + j) * hd;
+      for (int64_t d = 0; d < hd; d += 32)
+        _mm512_storeu_si512(dst + d, bf16x32(_mm512_loadu_ps(q + d), _mm512_loadu_ps(q + d + 16)));
+    }
+  keys_to_tiles(kb, hd, width, W, kt);
+  values_to_tiles(vb, hd, width, W, vt);
+  for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
+    const int r = static_cast<int>(std::min<int64_t>(16, R - m));
+    amx_config(r);
+    for (int64_t cb = 0; cb < W / 16; cb += 4) {
+      const int nb = static_cast<int>(std::min<int64_t>(4, W / 16 - cb));
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t k = 0; k < KT; ++k) {
+        _tile_loadd(4, qb + m * hd + k * 32, hd * 2);
+        const uint16_t* b = kt + (cb * KT + k) * 512;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) { _tile_loadd(6, b + KT * 512, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nb > 2) { _tile_loadd(7, b + 2 * KT * 512, 64); _tile_dpbf16ps(2, 4, 7); }
+        if (nb > 3) { _tile_loadd(5, b + 3 * KT * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+      }
+      float* o = s + m * W + cb * 16;
+      _tile_stored(0, o, W * 4);
+      if (nb > 1) _tile_stored(1, o + 16, W * 4);
+      if (nb > 2) _tile_stored(2, o + 32, W * 4);
+      if (nb > 3) _tile_stored(3, o + 48, W * 4);
+    }
+  }
+  float* den = scratch<float, 3>(static_cast<size_t>(R));
+  for (int64_t i = r0; i < r1; ++i)  // per row: softmax over its columns 0..L+i, numerators to bf16 (0 past)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t row = (i - r0) * g + j, cols = L + i + 1;
+      float* sr = s + row * W;
+      den[row] = softmax_numerators16(sr, cols, scale);
+      uint16_t* pr = pb + row * W;
+      for (int64_t c = 0; c < W; c += 32)
+        _mm512_storeu_si512(pr + c, bf16x32(_mm512_maskz_loadu_ps(first(cols - c), sr + c),
+                                            _mm512_maskz_loadu_ps(first(cols - c - 16), sr + c + 16)));
+    }
+  for (int64_t m = 0; m < R; m += 16) {  // outputs: 16 rows x 64 features a pass (tmm0-3), over the columns
+    amx_config(static_cast<int>(std::min<int64_t>(16, R - m)));
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+      const int nd = static_cast<int>(std::min<int64_t>(4, (hd - d0) / 16));
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t c = 0; c < W; c += 32) {
+        _tile_loadd(4, pb + m * W + c, W * 2);
+        const uint16_t* b = vt + ((c / 32) * (hd / 16) + d0 / 16) * 512;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nd > 1) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nd > 2) { _tile_loadd(7, b + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+        if (nd > 3) { _tile_loadd(5, b + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+      }
+      float* o = num + m * hd + d0;
+      _tile_stored(0, o, hd * 4);
+      if (nd > 1) _tile_stored(1, o + 16, hd * 4);
+      if (nd > 2) _tile_stored(2, o + 32, hd * 4);
+      if (nd > 3) _tile_stored(3, o + 48, hd * 4);
+    }
+  }
+  _tile_release();
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t row = (i - r0) * g + j;
+      const __m512 inv = _mm512_set1_ps(1.0f / den[row]);
+      float* o = att + i * nh * hd + (kh * g + j) * hd;
+      for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(num + row * hd + d), inv));
+    }
+}
+#pragma GCC pop_options
+#endif
+
+// act[0..15] = SiLU(gate) * up for one pair of panels: gate = gu[0..15], up = gu[16..31]; exp8()'s arithmetic,
+// 16 lanes at a time where the CPU has them (the same values)
+inline void silu_panel(const float* gu, float* act) {
+#ifdef XP_AMX
+  if (wide()) return silu16(gu, gu + 16, act, 16);
+#endif
+  for (int h = 0; h < 16; h += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + h);
+    const __m256 en = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(act + h, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), en)),
+                                            _mm256_loadu_ps(gu + 16 + h)));
+  }
+}
+
+// attend() or attend_amx() (tiles: bf16 weights on AMX, the head width a multiple of 32)
+inline void attend_any(bool tiles, const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd,
+                       int64_t L, int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att) {
+#ifdef XP_AMX
+  if (tiles) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
+#endif
+  attend(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
+}
+
 // One decoder layer on the residual stream h [n, H] (a new tensor is returned) around two callbacks:
 // put_kv(i, k, v) stores row i's nkv rotated keys and values (hd floats each, heads adjacent), and
 // attention(qkv, Q, att) fills att [n, nh hd] from the rows' rotated q / k / v [n, Q]. Every other step is
@@ -530,7 +801,7 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
                             double eps, PutKV put_kv, Attention attention) {
   const int64_t n = h_in.size(0), H = h_in.size(1);
   const int64_t Q = (nh + 2 * nkv) * hd, I = wgu.size(0) * 8;
-  TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && wgu.size(0) * 16 == 2 * I && rot.size(0) == n,
+  TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && I % 16 == 0 && rot.size(0) == n,
               "layer: shapes");
   for (const torch::Tensor* t : {&wqkv, &wo, &wgu, &wd}) {
     check_weight(*t, "layer weight");
@@ -540,7 +811,7 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
   const float fe = static_cast<float>(eps);
   auto h = h_in.clone();
   float* hp = h.data_ptr<float>();
-  float* x = scratch<float, 4>(static_cast<size_t>(n * std::max(H, I)));
+  float* x = scratch<float, 4>(static_cast<size_t>(n * H));
   float* qkv = scratch<float, 5>(static_cast<size_t>(n * Q));
   float* att = scratch<float, 6>(static_cast<size_t>(n * nh * hd));
   float* big = scratch<float, 7>(static_cast<size_t>(n * 2 * I));
@@ -554,12 +825,15 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
   rows([&](int64_t i) {
     float* row = qkv + i * Q;
     const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
-    for (int64_t head = 0; head < nh + nkv; ++head) {  // RoPE on q and k: (a + ib)(c + is)
+    // RoPE on q and k: (a + ib)(c + is), 4 pairs at a time. Written with intrinsics: GCC 12 at -O3 turned
+    // the scalar loop into vfmaddsub (a fused multiply-add) despite -ffp-contract=off.
+    for (int64_t head = 0; head < nh + nkv; ++head) {
       float* v = row + head * hd;
-      for (int64_t j = 0; j < hd / 2; ++j) {
-        const float a = v[2 * j], b = v[2 * j + 1], c = r[2 * j], s = r[2 * j + 1];
-        v[2 * j] = a * c - b * s;
-        v[2 * j + 1] = a * s + b * c;
+      for (int64_t j = 0; j < hd; j += 8) {  // (a c - b s, b c + a s): each product rounded, then the sum
+        const __m256 ab = _mm256_loadu_ps(v + j), cs = _mm256_loadu_ps(r + j);
+        const __m256 ac_bc = _mm256_mul_ps(ab, _mm256_moveldup_ps(cs));
+        const __m256 bs_as = _mm256_mul_ps(_mm256_permute_ps(ab, 0xB1), _mm256_movehdup_ps(cs));
+        _mm256_storeu_ps(v + j, _mm256_addsub_ps(ac_bc, bs_as));
       }
     }
     put_kv(i, row + nh * hd, row + (nh + nkv) * hd);
@@ -571,17 +845,18 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
     for (int64_t j = i * H; j < (i + 1) * H; ++j) hp[j] += x[j];
     rms_row(hp + i * H, ln2.data_ptr<float>(), x + i * H, H, fe);
   });
-  product(x, n, H, wgu, 2 * I, big);
-  rows([&](int64_t i) {  // SiLU(gate) * up = gate / (1 + exp(-gate)) * up
-    float* en = scratch<float, 9>(static_cast<size_t>(I));
-    const float* gate = big + i * 2 * I;
-    float* act = x + i * I;
-    for (int64_t j = 0; j < I; ++j) act[j] = -gate[j];
-    exp_row(act, en, I);
-    for (int64_t j = 0; j < I; ++j) act[j] = gate[j] / (1.0f + en[j]) * gate[I + j];
+  // gate and up come interleaved by panels (16 gate columns, then the same 16 up columns: see LeanModel), so
+  // the thread that computed a pair of panels applies SiLU(gate) * up = gate / (1 + exp(-gate)) * up to them
+  // (into act, not x: the other thread may still be reading x)
+  float* act = scratch<float, 10>(static_cast<size_t>(n * I));
+  product(x, n, H, wgu, 2 * I, big, true, [&](int64_t p0, int64_t p1) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t p = p0; p < p1; p += 2) silu_panel(big + i * 2 * I + p * 16, act + i * I + p * 8);
   });
-  product(x, n, I, wd, H, down);
-  rows([&](int64_t i) { for (int64_t j = i * H; j < (i + 1) * H; ++j) hp[j] += down[j]; });
+  product(act, n, I, wd, H, down, false, [&](int64_t p0, int64_t p1) {  // the residual, on the thread's columns
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = i * H + p0 * 16; j < i * H + p1 * 16; ++j) hp[j] += down[j];
+  });
   return h;
 }
 
@@ -627,17 +902,25 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
+// tiles (attention on AMX tiles) asks for bf16 weights, AMX and a head width that is a multiple of 32
+void check_tiles(bool tiles, const torch::Tensor& wqkv, int64_t hd) {
+  TORCH_CHECK(!tiles || (wqkv.scalar_type() == torch::kBFloat16 && hd % 32 == 0 && amx_ready()),
+              "attention on AMX tiles needs bf16 weights, AMX and a head width that is a multiple of 32");
+}
+
 // One decoder layer on the residual stream h [n, H] (returned updated, a new tensor); writes the n new keys
 // and values into columns L..L+n-1 of keys / values [nkv, cap, hd]. rot [n, hd / 2, 2] holds (cos, sin) of
-// each row's position, the q / k weight rows reordered so that each rotated pair is adjacent.
+// each row's position, the q / k weight rows reordered so that each rotated pair is adjacent. tiles: the
+// attention's products on AMX tiles in bf16 (attend_amx), else in float32 (attend).
 torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                     const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                     const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
-                    int64_t L, int64_t nh, int64_t nkv, double eps) {
+                    int64_t L, int64_t nh, int64_t nkv, double eps, bool tiles) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &rot, &keys, &values})
     check(*t, "layer input");  // the weights: decoder_layer
   const int64_t n = h_in.size(0), hd = keys.size(2), cap = keys.size(1), g = nh / nkv;
   TORCH_CHECK(L + n <= cap && keys.size(0) == nkv, "layer: shapes");
+  check_tiles(tiles, wqkv, hd);
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   auto put_kv = [&](int64_t i, const float* k, const float* v) {
@@ -653,7 +936,7 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
     at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB);
-        attend(qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att);
+        attend_any(tiles, qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att);
       }
     });
   };
@@ -668,13 +951,15 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
 torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                          const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                          const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
-                         const torch::Tensor& rows, const torch::Tensor& lengths, int64_t nh, int64_t nkv, double eps) {
+                         const torch::Tensor& rows, const torch::Tensor& lengths, int64_t nh, int64_t nkv, double eps,
+                         bool tiles) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &rot, &keys, &values})
     check(*t, "layer_rows input");  // the weights: decoder_layer
   const int64_t m = h_in.size(0), B = keys.size(0), cap = keys.size(2), hd = keys.size(3), g = nh / nkv;
   TORCH_CHECK(keys.dim() == 4 && keys.size(1) == nkv && rows.scalar_type() == torch::kInt64 &&
               lengths.scalar_type() == torch::kInt64 && rows.numel() == m && lengths.numel() == m &&
               rows.is_contiguous() && lengths.is_contiguous(), "layer_rows: shapes");
+  check_tiles(tiles, wqkv, hd);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i)
@@ -692,7 +977,7 @@ torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, co
     at::parallel_for(0, m * nkv, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t / nkv, kh = t % nkv;
-        attend(qkv + i * Q, Q, head(kp, i, kh), head(vp, i, kh), hd, lp[i], 0, 1, kh, g, nh, att + i * nh * hd);
+        attend_any(tiles, qkv + i * Q, Q, head(kp, i, kh), head(vp, i, kh), hd, lp[i], 0, 1, kh, g, nh, att + i * nh * hd);
       }
     });
   };
