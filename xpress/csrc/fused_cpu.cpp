@@ -681,14 +681,31 @@ inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t 
   }
 }
 
-// attend() on the tiles: the same rows, heads and outputs
+// The nkv heads' keys and values (kp, vp [nkv, cap, hd]) columns 0..width-1 in the tiles' layouts, head by
+// head, W * hd elements a head (W: width rounded up to 32), the threads taking heads: what attend_amx()
+// reads where several of its calls share a head (kt, vt: nkv W hd elements each)
+void heads_to_tiles(const float* kp, const float* vp, int64_t nkv, int64_t cap, int64_t hd, int64_t width,
+                    uint16_t* kt, uint16_t* vt) {
+  const int64_t W = (width + 31) / 32 * 32;
+  at::parallel_for(0, nkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t kh = h0; kh < h1; ++kh) {
+      keys_to_tiles(kp + kh * cap * hd, hd, width, W, kt + kh * W * hd);
+      values_to_tiles(vp + kh * cap * hd, hd, width, W, vt + kh * W * hd);
+    }
+  });
+}
+
+// attend() on the tiles: the same rows, heads and outputs. kt0 / vt0: this head's keys and values already in
+// the tiles' layouts (heads_to_tiles(), over at least columns 0..L+r1-1; columns past a row's own are read
+// only as zero numerators), or nullptr to lay them out here.
 void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
-                int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att) {
+                int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att, const uint16_t* kt0 = nullptr,
+                const uint16_t* vt0 = nullptr) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32, KT = hd / 32;
   uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
-  uint16_t* kt = scratch<uint16_t, 11>(static_cast<size_t>(W * hd));   // keys_to_tiles
-  uint16_t* vt = scratch<uint16_t, 12>(static_cast<size_t>(W * hd));   // values_to_tiles
+  uint16_t* kt = kt0 ? nullptr : scratch<uint16_t, 11>(static_cast<size_t>(W * hd));   // keys_to_tiles
+  uint16_t* vt = vt0 ? nullptr : scratch<uint16_t, 12>(static_cast<size_t>(W * hd));   // values_to_tiles
   float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
   uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
   float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
@@ -699,8 +716,13 @@ void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, i
       for (int64_t d = 0; d < hd; d += 32)
         _mm512_storeu_si512(dst + d, bf16x32(_mm512_loadu_ps(q + d), _mm512_loadu_ps(q + d + 16)));
     }
-  keys_to_tiles(kb, hd, width, W, kt);
-  values_to_tiles(vb, hd, width, W, vt);
+  if (kt0 != nullptr) {
+    kt = const_cast<uint16_t*>(kt0);  // read only
+    vt = const_cast<uint16_t*>(vt0);
+  } else {
+    keys_to_tiles(kb, hd, width, W, kt);
+    values_to_tiles(vb, hd, width, W, vt);
+  }
   for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
     const int r = static_cast<int>(std::min<int64_t>(16, R - m));
     amx_config(r);
@@ -783,9 +805,10 @@ inline void silu_panel(const float* gu, float* act) {
 
 // attend() or attend_amx() (tiles: bf16 weights on AMX, the head width a multiple of 32)
 inline void attend_any(bool tiles, const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd,
-                       int64_t L, int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att) {
+                       int64_t L, int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att,
+                       const uint16_t* kt = nullptr, const uint16_t* vt = nullptr) {
 #ifdef XP_AMX
-  if (tiles) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
+  if (tiles) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
 #endif
   attend(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
 }
@@ -929,14 +952,26 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
       std::copy(v + kh * hd, v + (kh + 1) * hd, vp + (kh * cap + L + i) * hd);
     }
   };
-  // one task per key-value head and block of rows
+  // one task per key-value head and block of rows; on the tiles with several blocks, each head's keys and
+  // values are laid out for them once, before the tasks (heads_to_tiles), not once per task
   auto attention = [&](const float* qkv, int64_t Q, float* att) {
     const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
-    const int64_t blocks = (n + RB - 1) / RB;
+    const int64_t blocks = (n + RB - 1) / RB, W = (L + n + 31) / 32 * 32;
+    uint16_t *kt = nullptr, *vt = nullptr;
+#ifdef XP_AMX
+    if (tiles && blocks > 1) {
+      static std::vector<uint16_t> laid;  // one forward at a time (the GIL is held)
+      if (laid.size() < static_cast<size_t>(2 * nkv * W * hd)) laid.resize(static_cast<size_t>(2 * nkv * W * hd));
+      kt = laid.data();
+      vt = kt + nkv * W * hd;
+      heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt);
+    }
+#endif
     at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB);
-        attend_any(tiles, qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att);
+        attend_any(tiles, qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att,
+                   kt ? kt + kh * W * hd : nullptr, vt ? vt + kh * W * hd : nullptr);
       }
     });
   };
