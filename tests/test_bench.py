@@ -250,6 +250,9 @@ def test_provenance_names_the_cpu_class():
     assert utils.cpu_class(avx2) == "AVX2 only, float32"
     fused = {**avx2, "target_runtime": {"dtype": "float32", "kernels": "fused"}}
     assert utils.cpu_class(fused) == "AVX2 only, float32, fused C++ layers"
+    amx = {**bf16, "machine": {**bf16["machine"], "cpu_features": {**feats, "amx_bf16": True}},
+           "target_runtime": {"dtype": "bfloat16", "kernels": "fused", "attention": "bf16 products on AMX tiles"}}
+    assert utils.cpu_class(amx) == "AMX-BF16, bfloat16, fused C++ layers, attention on AMX tiles"
     assert utils.cpu_class({"machine": {"cpu_model": "x"}}) == ""  # an older block: no claim
     old = {**bf16, "machine": {"cpu_model": "AMD EPYC", "torch_threads": 2}, "target_runtime": {}}
     assert report._where(old).startswith("AMD EPYC, 2 torch threads")

@@ -204,7 +204,8 @@ def cpu_class(prov: dict, dtype: bool = True) -> str:
     isa = ("AMX-BF16" if f.get("amx_bf16") else "AVX512-BF16" if f.get("avx512_bf16") else
            "AVX-512, no bf16" if f.get("avx512f") else "AVX2 only" if f.get("avx2") else "no AVX2")
     return isa + (f", {rt['dtype']}" if dtype and rt.get("dtype") else "") + (
-        ", fused C++ layers" if dtype and rt.get("kernels") == "fused" else "")
+        ", fused C++ layers" if dtype and rt.get("kernels") == "fused" else "") + (
+        ", attention on AMX tiles" if dtype and str(rt.get("attention", "")).startswith("bf16") else "")
 
 
 class DeferredInterrupt:
