@@ -26,6 +26,9 @@ def test_smoke_target_runs_lean_and_records_the_choice(target):
     from xpress.utils import provenance
 
     assert provenance("smoke")["target_runtime"]["runtime"] in ("lean", "transformers")
+    load_target(load_config("smoke"))  # the last target loaded is what the provenance names, attention included
+    recorded = provenance("smoke")["target_runtime"]
+    assert recorded["runtime"] == "lean" and recorded["attention"] and recorded["drafter_products"]
 
 
 def test_lean_float32_is_the_transformers_function(target):

@@ -94,7 +94,8 @@ def record_choice(choice: dict[str, Any]) -> None:
     """Remember the runtime and dtype a target was loaded with (:func:`xpress.targets.choose_runtime`)."""
     _LAST_CHOICE.clear()
     _LAST_CHOICE.update({k: choice[k] for k in ("runtime", "dtype", "dtype_setting", "runtime_setting")},
-                        kernels=choice.get("kernels"),
+                        kernels=choice.get("kernels"), attention=choice.get("attention"),
+                        drafter_products=choice.get("drafter_products"),
                         row_invariant=choice.get("row_invariance", {}).get("exact"),
                         cpu_features=choice.get("cpu_features"))
 
