@@ -310,10 +310,12 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 #pragma GCC pop_options
 #endif
 
-// Whether this CPU runs AVX-512F: the row loops then take 16 lanes at a time (the same values as 8)
+// Whether this CPU has every AVX-512 extension the code after `#pragma GCC target` may use (F, BW, VL,
+// BF16): the row loops then take 16 lanes at a time (the same values as 8)
 inline bool wide() {
 #ifdef XP_AMX
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   return ok;
 #else
   return false;
