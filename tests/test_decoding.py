@@ -367,6 +367,22 @@ def cpu_setup(request):
     return cfg, target, prompts, [generate_ar(target, p, CPU_MAX_NEW) for p in prompts]
 
 
+NEAR_TIE = 0.05  # a top-2 logit gap this small is a tie that summation order may decide (bf16 logits near 30)
+
+
+def _batched_equal_up_to_near_ties(target, prompts, gens, reference):
+    """Batches run the PyTorch layer on left-padded rows, whose sums differ from the fused batch-1 layer's in
+    the last bits (docs/inference.md, section 4): in float32 the tokens must be equal; in bf16 every prompt
+    where they differ must part at a near-tie of the target's own logits (bench.divergence's top-2 gap)."""
+    from xpress.bench import divergence
+
+    parts = [divergence(target, p, r.token_ids, g.token_ids)
+             for p, g, r in zip(prompts, gens, reference) if g.token_ids != r.token_ids]
+    if target.compute_dtype == torch.float32:
+        assert not parts, parts
+    assert all(d["top2_margin"] < NEAR_TIE for d in parts if d is not None), parts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["oracle", "random", "noisy", *MODEL_METHODS])
 def test_cpu_preset_speculative_equals_greedy(method, cpu_setup):
@@ -376,7 +392,7 @@ def test_cpu_preset_speculative_equals_greedy(method, cpu_setup):
            if generate_speculative(target, drafter, p, CPU_MAX_NEW).token_ids != ref.token_ids]
     assert not bad, f"{method}: {len(bad)} of {len(prompts)} prompts differ from greedy AR: {bad}"
     gens = generate_speculative_batch(target, drafter, prompts[:8], CPU_MAX_NEW)
-    assert [g.token_ids for g in gens] == [r.token_ids for r in reference[:8]]
+    _batched_equal_up_to_near_ties(target, prompts[:8], gens, reference[:8])
 
 
 @pytest.mark.slow
@@ -384,4 +400,4 @@ def test_cpu_preset_batched_ar_equals_single(cpu_setup):
     cfg, target, prompts, reference = cpu_setup
     for start in range(0, 16, 4):
         gens = generate_ar_batch(target, prompts[start:start + 4], CPU_MAX_NEW)
-        assert [g.token_ids for g in gens] == [r.token_ids for r in reference[start:start + 4]]
+        _batched_equal_up_to_near_ties(target, prompts[start:start + 4], gens, reference[start:start + 4])
