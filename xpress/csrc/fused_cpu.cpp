@@ -706,8 +706,8 @@ void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, i
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32, KT = hd / 32;
   uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
-  uint16_t* kt = kt0 ? nullptr : scratch<uint16_t, 11>(static_cast<size_t>(W * hd));   // keys_to_tiles
-  uint16_t* vt = vt0 ? nullptr : scratch<uint16_t, 12>(static_cast<size_t>(W * hd));   // values_to_tiles
+  const uint16_t* kt = kt0;  // keys_to_tiles, here unless given
+  const uint16_t* vt = vt0;  // values_to_tiles, here unless given
   float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
   uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
   float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
@@ -718,12 +718,13 @@ void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, i
       for (int64_t d = 0; d < hd; d += 32)
         _mm512_storeu_si512(dst + d, bf16x32(_mm512_loadu_ps(q + d), _mm512_loadu_ps(q + d + 16)));
     }
-  if (kt0 != nullptr) {
-    kt = const_cast<uint16_t*>(kt0);  // read only
-    vt = const_cast<uint16_t*>(vt0);
-  } else {
-    keys_to_tiles(kb, hd, width, W, kt);
-    values_to_tiles(vb, hd, width, W, vt);
+  if (kt == nullptr) {
+    uint16_t* k = scratch<uint16_t, 11>(static_cast<size_t>(W * hd));
+    uint16_t* v = scratch<uint16_t, 12>(static_cast<size_t>(W * hd));
+    keys_to_tiles(kb, hd, width, W, k);
+    values_to_tiles(vb, hd, width, W, v);
+    kt = k;
+    vt = v;
   }
   for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
     const int r = static_cast<int>(std::min<int64_t>(16, R - m));
