@@ -140,7 +140,9 @@ def test_readme_results_agree_with_files():
 
 def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):
     """The "Two commands" durations are run.json's: a whole run gives its total and every notebook's
-    minutes; a record of partial runs says so and names their revisions."""
+    minutes; a record of partial runs says so and names their revisions; the AMX overrides it ran with."""
+    import json
+
     from xpress import pipeline, report
 
     monkeypatch.setattr(pipeline.paths, "RESULTS", tmp_path)
@@ -150,6 +152,11 @@ def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):
                               1590.0)
     text = report.durations_markdown("smoke", tmp_path / "smoke")
     assert "took **26 min**" in text and "| 03_cotraining | warm start + three methods trained | 25.0 |" in text
+    run = json.loads((tmp_path / "smoke" / "run.json").read_text())
+    assert run["on_amx"] == [] and "on_amx" not in text  # smoke has no AMX section
+    (tmp_path / "smoke" / "run.json").write_text(json.dumps({**run, "on_amx": ["data.n_train_prompts=40"]}))
+    text = report.durations_markdown("smoke", tmp_path / "smoke")
+    assert "`on_amx` overrides applied (`data.n_train_prompts=40`)" in text and "configs/smoke.yaml" in text
     pipeline.write_run_record("smoke", [], {"00_environment": {"seconds": 6.0, "git_revision": "def5678", "date": "e"}},
                               None)
     text = report.durations_markdown("smoke", tmp_path / "smoke")

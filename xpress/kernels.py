@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .cpu import cpu_flags
 from .paths import REPO_ROOT, cache_dir
 
 SOURCE = REPO_ROOT / "xpress" / "csrc" / "fused_cpu.cpp"
@@ -181,8 +182,4 @@ def _build(extra: list[str]):
 
 
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+    return {"avx2", "fma"} <= cpu_flags()

@@ -455,7 +455,12 @@ def durations_markdown(preset: str, folder: Path | None = None) -> str:
         revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", []) if r.get("seconds") is not None})
         head = (f"No single `make reproduce` on the {preset} preset is recorded: each notebook's last run "
                 f"(`run.json`, runs at git {', '.join(revs)}) took:")
-    return "\n".join([head, "", "| notebook | what | minutes |", "|---|---|---|", *rows]) + "\n"
+    lines = [head, "", "| notebook | what | minutes |", "|---|---|---|", *rows]
+    if run.get("on_amx"):
+        lines += ["", f"That run's CPU has AMX-BF16, so the preset's `on_amx` overrides applied "
+                      f"({', '.join(f'`{o}`' for o in run['on_amx'])}); a CPU without AMX runs the preset's base "
+                      f"sizes (`configs/{preset}.yaml`), as `run.json` records."]
+    return "\n".join(lines) + "\n"
 
 
 SECTIONS = {"results": results_markdown, "durations": durations_markdown}

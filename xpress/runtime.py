@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .cpu import cpu_flags
+
 SUPPORTED = ("llama", "qwen3")
 CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
 ROW_CHUNK = 128  # tokens per forward in a long prefill (bounds the score matrix; rows stay invariant)
@@ -68,15 +70,8 @@ def native_bf16() -> bool:
 
 
 def cpu_features() -> dict[str, bool]:
-    """The CPU's matrix features that decide the target dtype (from ``/proc/cpuinfo`` where present)."""
-    flags: set[str] = set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    """The CPU's matrix features that decide the target dtype (:func:`xpress.cpu.cpu_flags`)."""
+    flags = cpu_flags()
     return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "amx_bf16": "amx_bf16" in flags, "onednn_bf16": native_bf16() if not torch.cuda.is_available() else False}
 
