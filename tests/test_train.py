@@ -504,6 +504,7 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
     row = run_lever("smoke", "train.train_sequences=2", 2, target=target, data=data, progress=False, decode_prompts=1)
     first2 = data.indices("train")[:2]
     assert row["train_sequences"] == 2 and row["block_size"] == small().drafter.block_size  # the row's own B
+    assert (row["anchors_per_seq"], row["on_amx"]) == (small().train.anchors_per_seq, [])  # and its sizes
     assert row["train_response_tokens"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in first2)
     assert row["decode_prompts"] == 1 and row["val_tau"] >= 1 and row["ar_step_ms"] > 0 and row["round_ms"] > 0
     assert row["implied_speedup"] == pytest.approx(row["val_tau"] * row["ar_step_ms"] / row["round_ms"])
@@ -528,6 +529,11 @@ def test_data_scaling_curve_and_its_fit():
     assert data_scaling_rows({"rows": rows[:2]}) == []  # two sizes are not a curve
     flat = [{**r, "val_tf_tau": 1.0} for r in curve]
     assert scaling_fit(flat)["tokens_for_goal"] is None
+    # a later curve of another recipe at the same steps is a curve of its own, and the one drawn
+    later = [{**r, "anchors_per_seq": 32, "train_response_tokens": 3 * r["train_response_tokens"], "date": "2026-12-03"}
+             for r in curve]
+    assert data_scaling_rows({"rows": rows + later}) == later
+    assert data_scaling_rows({"rows": rows + later[:2]}) == curve  # two sizes of it are not a curve yet
 
     # the break-even tau drawn beside the curve: the median round / AR-step cost ratio of the rows that timed both
     timed = [{**r, "ar_step_ms": 50.0, "round_ms": ms} for r, ms in zip(curve, (80.0, 90.0, 100.0))]

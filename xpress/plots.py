@@ -403,15 +403,19 @@ def draw_resolution(preset: str) -> Drawn | None:
 
 def data_scaling_rows(levers: dict | None) -> list[dict]:
     """The data-scaling curve in ``levers.json``: rows of the preset as is (``base``) and of
-    ``train.train_sequences=N``, at the largest number of steps that has at least three data sizes, sorted
-    by training tokens ([] when there is no such curve yet: ``make studies`` runs it)."""
+    ``train.train_sequences=N`` that share a recipe (steps, block size, anchors per sequence, target dtype;
+    rows older than those fields share theirs), at the largest number of steps that has at least three data
+    sizes and, among those, the latest run; sorted by training tokens ([] when there is no such curve yet:
+    ``make studies`` runs it)."""
     rows = [r for r in (levers or {}).get("rows", []) if r.get("train_response_tokens")
             and (r["lever"] == "base" or r["lever"].startswith("train.train_sequences="))]
-    by_steps: dict[int, list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        by_steps.setdefault(r["steps"], []).append(r)
-    full = [s for s, rs in by_steps.items() if len({r["train_response_tokens"] for r in rs}) >= 3]
-    return sorted(by_steps[max(full)], key=lambda r: r["train_response_tokens"]) if full else []
+        key = (r["steps"], r.get("block_size"), r.get("anchors_per_seq"), r.get("target_dtype"))
+        groups.setdefault(key, []).append(r)
+    full = [k for k, rs in groups.items() if len({r["train_response_tokens"] for r in rs}) >= 3]
+    latest = max(full, key=lambda k: (k[0], max(r.get("date") or "" for r in groups[k])), default=None)
+    return sorted(groups[latest], key=lambda r: r["train_response_tokens"]) if full else []
 
 
 def plot_data_scaling(rows: Sequence[dict], break_even: float | None = None):
