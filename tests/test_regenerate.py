@@ -268,6 +268,13 @@ def test_data_are_stamped_with_the_dtype_that_wrote_them(tmp_path, reference, sm
     assert not list(_folder(tmp_path).glob("shard-*"))
 
 
+def test_data_are_stamped_with_their_prompt_mixture(small_cfg):
+    """Another mixture is other data: data.train_sources is in the signature, so the hash changes."""
+    three = load_config("smoke", [*SMALL, 'data.train_sources=["gsm8k-train", "math-train", "sharegpt"]'])
+    assert regen_signature(small_cfg)["train_sources"] == ["gsm8k-train", "math-train", "sharegpt", "code"]
+    assert config_hash(regen_signature(three)) != config_hash(regen_signature(small_cfg))
+
+
 def test_data_are_stamped_with_the_forward_that_wrote_them(tmp_path, small_cfg, target, monkeypatch):
     """The lean and the transformers forward differ in the last bits: the data hash names the planned one, and
     a target that runs the other (a lean runtime that could not run the model) is refused."""

@@ -132,6 +132,9 @@ class DataConfig:
     limit: int = 0  # prompts per benchmark; 0 = all
     n_train_prompts: int = 256  # regenerated training sequences
     n_val_prompts: int = 16  # regenerated held-out sequences (validation split, never trained on)
+    # the regeneration mixture, in equal parts (xpress.data.training_prompts): GSM8K and MATH train problems,
+    # ShareGPT first turns, Python tasks
+    train_sources: list[str] = field(default_factory=lambda: ["gsm8k-train", "math-train", "sharegpt", "code"])
     regen_max_new_tokens: int = 256
     regen_max_prompt_tokens: int = 256  # longer training prompts are skipped
     regen_batch_size: int = 16  # prompts decoded together during regeneration
@@ -242,6 +245,10 @@ class Config:
                "data sizes must be >= 0")
         _check(self.data.regen_batch_size >= 1 and self.data.regen_shard_size >= 1,
                "data.regen_batch_size and data.regen_shard_size must be at least 1")
+        from .data import TRAIN_SOURCES
+        sources = list(self.data.train_sources)
+        _check(bool(sources) and len(set(sources)) == len(sources) and set(sources) <= set(TRAIN_SOURCES),
+               f"data.train_sources={sources}: give distinct names from {', '.join(TRAIN_SOURCES)}")
         _check(self.data.regen_engine in ("auto", "continuous", "batched"),
                f"data.regen_engine={self.data.regen_engine!r}: use auto, continuous or batched")
         _check(self.train.batch_size >= 1 and self.train.anchors_per_seq >= 1,

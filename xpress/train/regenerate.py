@@ -5,8 +5,8 @@ it must predict at inference (the dFlash / SpecForge recipe: greedy, T = 0, chat
     torchrun --nproc_per_node N -m xpress regenerate --preset cpu     # the shards split over N processes
     accelerate launch -m xpress regenerate --preset cpu               # the same under accelerate
 
-Prompts come from :func:`xpress.data.training_prompts` (GSM8K train, MATH train, ShareGPT first turns;
-benchmark questions excluded). The last ``data.n_val_prompts`` of them form the validation split, never
+Prompts come from :func:`xpress.data.training_prompts` (``data.train_sources``: GSM8K train, MATH train,
+ShareGPT first turns and Python tasks in equal parts; benchmark questions excluded). The last ``data.n_val_prompts`` of them form the validation split, never
 trained on. Prompts longer than ``data.regen_max_prompt_tokens`` (at most ``train.max_len -
 data.regen_max_new_tokens``) tokens are skipped, so that answers fit a training window; the manifest
 counts them.
@@ -90,6 +90,7 @@ def regen_signature(cfg: Config) -> dict[str, Any]:
                                       t.random_intermediate, t.random_init_std]} if t.source == "random" else {})},
             "seed": cfg.seed, "num_target_features": cfg.drafter.num_target_features,
             "n_train_prompts": d.n_train_prompts, "n_val_prompts": d.n_val_prompts,
+            "train_sources": list(d.train_sources),
             "regen_max_new_tokens": d.regen_max_new_tokens, "max_prompt_tokens": max_prompt_tokens(cfg),
             "regen_shard_size": d.regen_shard_size, "cache_features": d.cache_features}
 
@@ -197,7 +198,7 @@ def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
     n_train, n_val = cfg.data.n_train_prompts, cfg.data.n_val_prompts
     limit = max_prompt_tokens(cfg)
     # draw more than needed so that skipped (too long) prompts are replaced, deterministically
-    pool = training_prompts(int((n_train + n_val) * 1.25) + 8, seed=cfg.seed)
+    pool = training_prompts(int((n_train + n_val) * 1.25) + 8, seed=cfg.seed, sources=cfg.data.train_sources)
     kept, skipped = [], 0
     for rec in pool:
         ids = encode_chat(tokenizer, rec["turns"][:1])
