@@ -268,6 +268,18 @@ def test_data_are_stamped_with_the_dtype_that_wrote_them(tmp_path, reference, sm
     assert not list(_folder(tmp_path).glob("shard-*"))
 
 
+def test_prompt_limit_is_met_by_drawing_more(small_cfg, target):
+    """A prompt limit that skips more than the first draw's spare prompts (the smoke preset's short windows
+    against the code prompts' docstrings) draws a larger pool: the requested count, each prompt within the
+    limit, train before val."""
+    from xpress.train.regenerate import _prompts, max_prompt_tokens
+
+    kept, skipped = _prompts(small_cfg, target.tokenizer)
+    assert len(kept) == 10 and skipped > 0.25 * 10 + 8
+    assert all(len(r["prompt_ids"]) <= max_prompt_tokens(small_cfg) for r in kept)
+    assert [r["split"] for r in kept] == ["train"] * 8 + ["val"] * 2
+
+
 def test_data_are_stamped_with_their_prompt_mixture(small_cfg):
     """Another mixture is other data: data.train_sources is in the signature, so the hash changes."""
     three = load_config("smoke", [*SMALL, 'data.train_sources=["gsm8k-train", "math-train", "sharegpt"]'])

@@ -197,17 +197,24 @@ def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
 
     n_train, n_val = cfg.data.n_train_prompts, cfg.data.n_val_prompts
     limit = max_prompt_tokens(cfg)
-    # draw more than needed so that skipped (too long) prompts are replaced, deterministically
-    pool = training_prompts(int((n_train + n_val) * 1.25) + 8, seed=cfg.seed, sources=cfg.data.train_sources)
-    kept, skipped = [], 0
-    for rec in pool:
-        ids = encode_chat(tokenizer, rec["turns"][:1])
-        if len(ids) > limit:
-            skipped += 1
-            continue
-        kept.append({**rec, "prompt_ids": ids})
-        if len(kept) == n_train + n_val:
+    # draw more than needed so that skipped (too long) prompts are replaced, deterministically; where a short
+    # prompt limit skips more than that (the code prompts' docstrings are long), draw twice as many, and so on
+    want, factor = n_train + n_val, 1.25
+    while True:
+        size = int(want * factor) + 8
+        pool = training_prompts(size, seed=cfg.seed, sources=cfg.data.train_sources)
+        kept, skipped = [], 0
+        for rec in pool:
+            ids = encode_chat(tokenizer, rec["turns"][:1])
+            if len(ids) > limit:
+                skipped += 1
+                continue
+            kept.append({**rec, "prompt_ids": ids})
+            if len(kept) == want:
+                break
+        if len(kept) == want or len(pool) < size:  # enough, or every prompt there is was drawn
             break
+        factor *= 2
     for i, rec in enumerate(kept):
         rec["split"] = "train" if i < min(n_train, len(kept) - n_val) else "val"
     return kept, skipped
