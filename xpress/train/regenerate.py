@@ -6,10 +6,10 @@ it must predict at inference (the dFlash / SpecForge recipe: greedy, T = 0, chat
     accelerate launch -m xpress regenerate --preset cpu               # the same under accelerate
 
 Prompts come from :func:`xpress.data.training_prompts` (``data.train_sources``: GSM8K train, MATH train,
-ShareGPT first turns and Python tasks in equal parts; benchmark questions excluded). The last ``data.n_val_prompts`` of them form the validation split, never
-trained on. Prompts longer than ``data.regen_max_prompt_tokens`` (at most ``train.max_len -
-data.regen_max_new_tokens``) tokens are skipped, so that answers fit a training window; the manifest
-counts them.
+ShareGPT first turns and Python tasks in equal parts; benchmark questions excluded). The last
+``data.n_val_prompts`` of them form the validation split, never trained on. Prompts longer than
+``data.regen_max_prompt_tokens`` (at most ``train.max_len - data.regen_max_new_tokens``) tokens are skipped,
+so that answers fit a training window; the manifest counts them.
 
 Generation (``data.regen_engine``, :func:`regen_engine`) runs, where the target runs the fused CPU kernels,
 with continuous batching (:func:`xpress.continuous.generate_greedy`: each sequence in its own cache row, a
