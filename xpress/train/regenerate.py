@@ -200,12 +200,15 @@ def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
     # draw more than needed so that skipped (too long) prompts are replaced, deterministically; where a short
     # prompt limit skips more than that (the code prompts' docstrings are long), draw twice as many, and so on
     want, factor = n_train + n_val, 1.25
+    encoded: dict[str, list[int]] = {}  # prompt id -> token ids, kept across draws
     while True:
         size = int(want * factor) + 8
         pool = training_prompts(size, seed=cfg.seed, sources=cfg.data.train_sources)
         kept, skipped = [], 0
         for rec in pool:
-            ids = encode_chat(tokenizer, rec["turns"][:1])
+            if rec["id"] not in encoded:
+                encoded[rec["id"]] = encode_chat(tokenizer, rec["turns"][:1])
+            ids = encoded[rec["id"]]
             if len(ids) > limit:
                 skipped += 1
                 continue
