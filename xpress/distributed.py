@@ -89,23 +89,37 @@ def setup() -> int:
     return world_size()
 
 
-def shutdown() -> None:
-    """Leave the process group that :func:`setup` joined (no-op for one process)."""
+def shutdown(meet: bool = True) -> None:
+    """Leave the process group that :func:`setup` joined (no-op for one process). With ``meet`` (a command
+    that finished) the ranks first meet at a barrier, so none tears down its gloo connections while another
+    is still inside a collective: a rank that left early once made its peer abort at exit ("terminate called
+    without an active exception", a CI run of ``test_two_processes_equal_one``). After a failure there is no
+    barrier: the peers may sit in another collective, and a closed connection is what ends their wait."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if meet and dist.get_world_size() > 1:
+            with _one_line("the ranks' final barrier"):
+                dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 
 @contextmanager
 def session() -> Iterator[int]:
-    """``with session() as n:`` joins the process group for a command and leaves it at the end."""
+    """``with session() as n:`` joins the process group for a command and leaves it at the end (after a
+    barrier when the command finished, at once when it raised)."""
     n = setup()
     try:
         yield n
-    finally:
+    except BaseException:
         if n > 1:
-            shutdown()
+            shutdown(meet=False)
+        raise
+    if n > 1:
+        shutdown()
 
 
 @contextmanager
