@@ -237,10 +237,11 @@ def test_target_cost_rows_and_break_even(tmp_path):
 
 
 def test_latency_study_times_the_lean_runtime(target):
-    from xpress.studies.latency import LatencyConfig, preset_shapes, time_target
+    from xpress.studies.shapes import preset_shapes
+    from xpress.studies.target_cost import time_target
 
     shapes = preset_shapes(load_config("smoke"), context=20)
-    t = time_target(target.runtime, shapes, LatencyConfig(repeats=2, warmup=0))
+    t = time_target(target.runtime, shapes, repeats=2, warmup=0)
     assert len(t) == 2 and all(v["median_ms"] > 0 and v["repeats"] == 2 for v in t.values())
 
 

@@ -513,6 +513,37 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
     assert (again["train_sequences"], again["train_response_tokens"]) == (2, row["train_response_tokens"])
 
 
+def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monkeypatch):
+    """--from-warm-start: a head method's lever co-trains from the preset's trained warm start (at lr 1e-30 its
+    drafter is the warm start's, bit for bit, and its head is there); the row says method and init, and is
+    kept apart from the from-scratch rows of the same lever and steps. No warm start: one line naming the fix."""
+    from xpress.plots import lever_rows
+    from xpress.studies.levers import record, run_lever
+
+    folder = _where(monkeypatch, root, "cotrain-lever")
+    monkeypatch.setattr("xpress.studies.levers.load_config",
+                        lambda preset, overrides=(): small("train.warm_start_steps=2", *overrides))
+    with pytest.raises(TrainingError, match="no complete warm start at .*python -m xpress train --preset smoke"):
+        run_lever("smoke", "base", 2, target=target, data=data, progress=False, method="xpress", from_warm_start=True)
+    with pytest.raises(ValueError, match="from_warm_start"):
+        run_lever("smoke", "base", 2, target=target, data=data, progress=False, method="xpress")
+    train(small("train.warm_start_steps=2"), "dflash", progress=False, overwrite=True)
+    row = run_lever("smoke", "train.lr=1e-30", 2, target=target, data=data, progress=False, decode_prompts=1,
+                    method="xpress", from_warm_start=True)
+    assert (row["method"], row["init"], row["steps"]) == ("xpress", "warmstart", 2) and row["val_tau"] >= 1
+    warm, lever = _tensors(folder / "warmstart"), _tensors(folder / "levers" / "xpress" / "train.lr-1e-30")
+    drafter_keys = [k for k in warm if k.startswith("model.safetensors")]
+    assert drafter_keys and all(torch.equal(warm[k], lever[k]) for k in drafter_keys)
+    assert any(k.startswith("head.safetensors") for k in lever)
+    scratch = {**row, "val_tf_tau": 1.0, "seconds": 1.0}
+    for k in ("method", "init"):
+        scratch.pop(k)
+    record("smoke", [row, {**scratch, "lever": "base"}, scratch])
+    rows = json.loads((paths.RESULTS / "smoke" / "levers.json").read_text())["rows"]
+    assert len(rows) == 3 and sum(bool(r.get("init")) for r in rows) == 1  # same lever and steps, two rows
+    assert all(not r.get("init") for r in lever_rows({"rows": rows}))  # the from-scratch figure: its own rows
+
+
 def test_data_scaling_curve_and_its_fit():
     from xpress.plots import break_even_tau, data_scaling_rows
     from xpress.studies.levers import scaling_fit

@@ -407,7 +407,7 @@ def data_scaling_rows(levers: dict | None) -> list[dict]:
     rows older than those fields share theirs), at the largest number of steps that has at least three data
     sizes and, among those, the latest run; sorted by training tokens ([] when there is no such curve yet:
     ``make studies`` runs it)."""
-    rows = [r for r in (levers or {}).get("rows", []) if r.get("train_response_tokens")
+    rows = [r for r in (levers or {}).get("rows", []) if r.get("train_response_tokens") and not r.get("init")
             and (r["lever"] == "base" or r["lever"].startswith("train.train_sequences="))]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -451,11 +451,11 @@ def break_even_tau(rows: Sequence[dict]) -> float | None:
 
 
 def lever_rows(levers: dict | None) -> list[dict]:
-    """The full-length lever comparison in ``levers.json``: the one-key levers (not the data-scaling
-    prefixes) decoded on the validation prompts, at the largest number of steps where ``base`` and at least
+    """The full-length lever comparison in ``levers.json``: the one-key levers from scratch (not the data-scaling
+    prefixes, not the co-training rows) decoded on the validation prompts, at the largest number of steps where ``base`` and at least
     one other lever ran with the same target dtype (rows of another machine class do not compare), ``base``
     first, then by implied speedup ([] when there is none yet: ``make studies`` runs them)."""
-    rows = [r for r in (levers or {}).get("rows", []) if r.get("val_tau") is not None
+    rows = [r for r in (levers or {}).get("rows", []) if r.get("val_tau") is not None and not r.get("init")
             and not r["lever"].startswith("train.train_sequences=")]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -74,3 +74,17 @@ def paired_ratio(num: Callable[[], Any], den: Callable[[], Any], rounds: int, re
             t_num = time_call(num, repeats, warmup, device)["median_ms"]
         values.append(scale * t_num / t_den)
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def cuda_graph(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Capture ``fn()`` (static shapes, no host synchronisation) in a CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -68,10 +68,11 @@ from .. import paths
 from ..drafter import DFlashConfig, DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner, randomize_
 from ..jacobi import corrected_logits, jacobi_refine, prev_tokens, select, sequential_refine
-from ..timing import paired_ratio, summary, time_call, time_calls  # noqa: F401  (importable from here too)
+from ..timing import cuda_graph, paired_ratio, summary, time_call, time_calls  # noqa: F401  (importable from here too)
 from ..utils import atomic_write_json, atomic_write_text, provenance
 from ..vocab import DraftVocab
 from .shapes import PAPER, TINY, Shapes, preset_shapes
+from .target_cost import random_target, time_target
 
 SHAPE_SETS = ("preset", "paper", "tiny")
 
@@ -279,93 +280,6 @@ def pass_tokens(block: Block, folded, y: torch.Tensor) -> torch.Tensor:
     return select(folded(prev_tokens(block.anchor, y, block.vocab), rows).add_(block.base), 0.0, None)
 
 
-def cuda_graph(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Capture ``fn()`` (static shapes, no host synchronisation) in a CUDA graph; returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-# ============================================================================================ target
-def random_target(shapes: Shapes, lc: LatencyConfig):
-    """A transformers Qwen3 causal LM of ``shapes`` with random weights (no download), eval mode."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    s = shapes
-    config = Qwen3Config(vocab_size=s.target_vocab, hidden_size=s.hidden, intermediate_size=s.target_intermediate,
-                         num_hidden_layers=s.target_layers, num_attention_heads=s.heads,
-                         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
-                         tie_word_embeddings=False)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(lc.torch_dtype)  # built in its dtype on its device: no float32 copy of 8B weights
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device(lc.device):
-            torch.manual_seed(lc.seed)
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model.to(lc.torch_dtype).eval().requires_grad_(False)
-
-
-def time_target(model, shapes: Shapes, lc: LatencyConfig) -> dict[str, dict[str, float]]:
-    """The target's 1-token decoding step (lean: one logit) and its B-token verification (every logit
-    and the hidden states, as the decoding loop asks), after a ``shapes.context``-token prompt; the
-    cache is cropped back after each call. ``model``: a transformers causal LM, or the lean runtime
-    (:class:`xpress.runtime.LeanModel`) that a preset's target computes with."""
-    from transformers import DynamicCache
-
-    from ..runtime import LeanModel
-    from ..targets import target_layer_ids
-
-    L, B = shapes.context, shapes.block_size
-    g = torch.Generator().manual_seed(lc.seed)
-    if isinstance(model, LeanModel):
-        dev = model.device
-        ctx = torch.randint(model.embed.shape[0], (1, L), generator=g).to(dev)
-        kv = model.new_cache(1, L + B)
-        model.forward(ctx, kv, logits_to_keep=1)
-        feature_layers = target_layer_ids(model.n_layers, shapes.target_features)
-
-        def lean_call(n: int, verify: bool) -> Callable[[], None]:
-            ids = torch.randint(model.embed.shape[0], (1, n), generator=g).to(dev)
-
-            @torch.inference_mode()
-            def run() -> None:
-                model.forward(ids, kv, logits_to_keep=0 if verify else 1,
-                              feature_layers=feature_layers if verify else None)
-                kv.crop(-n)
-            return run
-
-        return {"target step (1 token)": time_call(lean_call(1, False), lc.repeats, lc.warmup, dev),
-                f"target verify ({B} tokens)": time_call(lean_call(B, True), lc.repeats, lc.warmup, dev)}
-    dev = next(model.parameters()).device
-    ctx = torch.randint(model.config.vocab_size, (1, L), generator=g).to(dev)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
-    def call(n: int, verify: bool) -> Callable[[], None]:
-        ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
-        pos = torch.arange(L, L + n, device=dev)[None]
-
-        @torch.inference_mode()
-        def run() -> None:
-            model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
-                  output_hidden_states=verify, logits_to_keep=0 if verify else 1)
-            cache.crop(-n)  # back to the L-token prompt
-        return run
-
-    return {"target step (1 token)": time_call(call(1, False), lc.repeats, lc.warmup, dev),
-            f"target verify ({B} tokens)": time_call(call(B, True), lc.repeats, lc.warmup, dev)}
-
-
 # ============================================================================================= study
 def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progress: Callable[[str], None] | None = None
                    ) -> dict[str, Any]:
@@ -424,7 +338,7 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
             t.update(_graph_timings(block, lc, seed_block, checks, say))
     if target_model is not None:
         say(f"{shapes.name}: target step and verify")
-        t.update(time_target(target_model, shapes, lc))
+        t.update(time_target(target_model, shapes, lc.repeats, lc.warmup, lc.seed))
     markov = t["markov"]["median_ms"]
     ratios = {name: v["median_ms"] / markov for name, v in t.items()}
     headline = {key: paired[key]["median"] if key in paired else None for key in HEADLINE}
@@ -535,12 +449,12 @@ def run_latency(preset: str = "cpu", shape_sets: Sequence[str] = SHAPE_SETS, lc:
 
             cfg = load_config(preset, list(overrides))
             shapes = preset_shapes(cfg)
-            model = (target.runtime or target.model) if target is not None else (random_target(shapes, lc) if lc.target else None)
+            model = (target.runtime or target.model) if target is not None else (random_target(shapes, lc.torch_dtype, lc.device, lc.seed) if lc.target else None)
             if target is not None:
                 shapes = replace(shapes, name=f"{cfg.preset} preset: {target.name}")
         else:
             shapes = PAPER if name == "paper" else TINY
-            model = random_target(shapes, lc) if lc.target else None
+            model = random_target(shapes, lc.torch_dtype, lc.device, lc.seed) if lc.target else None
         sets[name] = measure_shapes(shapes, lc, model, say)
         del model
     result = {"what": "latency per block at batch 1 (Table 3 / Figure 4): refiner at K, Markov head, drafter, "

@@ -5,6 +5,7 @@ with the run's own stage costs).
 
     python -m xpress.studies.levers --preset cpu --steps 400 base drafter.init_from_target=true ...
     python -m xpress.studies.levers --preset cpu --steps 2800 base train.train_sequences=300 ...  # data scaling
+    python -m xpress.studies.levers --preset cpu --method xpress --from-warm-start base train.gamma=2 ...  # co-training
     python -m xpress.studies.levers --preset cpu --gap     # trained stages: training vs held-out acceptance
 
 Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run trains the ``dflash``
@@ -15,6 +16,13 @@ complete run of the same lever and steps is not retrained, only rescored: its ro
 and, as ``trained_command``, ``trained_git_revision`` and ``trained_date``, where the training ran. Rows
 append to ``results/<preset>/levers.{json,csv}`` (one row per lever; a rerun of the same lever and steps
 replaces its row).
+
+With ``--from-warm-start`` a lever is a co-training run instead: ``--method`` (dflash, markov or xpress)
+starts from the preset's trained warm start (``checkpoints/<preset>/warmstart/``, complete) as the real
+stages do, for ``--steps`` steps (default ``train.steps``), into ``checkpoints/<preset>/levers/<method>/<name>/``;
+the head's levers (``head.rank``, ``train.gamma``, ``train.consistency_weight``, the loss mix, longer
+co-training) are measured this way. Rows carry ``method`` and ``init`` (``warmstart``; from-scratch rows have
+none) and are kept apart from the from-scratch rows in the figures.
 
 Teacher-forced acceptance over random anchors runs higher than tau by decoding (decoding rounds start
 where the previous draft failed, which are harder positions), so the rows rank levers; they are not a tau.
@@ -37,31 +45,56 @@ def lever_config(preset: str, lever: str, steps: int) -> Config:
     return load_config(preset, ["train.eval_prompts=0", f"train.checkpoint_every={steps + 1}", *overrides])
 
 
+def warm_start_folder(preset: str):
+    """The preset's trained warm start (``checkpoints/<preset>/warmstart/``), which co-training levers start
+    from; a missing or unfinished one is a :class:`xpress.train.loop.TrainingError` naming the command."""
+    from ..train.loop import WARM_START, TrainingError, checkpoint_dir, read_state
+
+    folder = checkpoint_dir(load_config(preset), WARM_START)
+    state = read_state(folder)
+    if not (state and state.get("complete")):
+        raise TrainingError(f"no complete warm start at {folder}: co-training levers start from it; train it with "
+                            f"`python -m xpress train --preset {preset} --method dflash` (or make reproduce)")
+    return folder
+
+
 def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progress: bool = True,
-              decode_prompts: int = 8) -> dict[str, Any]:
+              decode_prompts: int = 8, method: str = "dflash", from_warm_start: bool = False) -> dict[str, Any]:
     """Train and score one lever; returns its row (lever, steps, seconds, s_per_step, val_tf_tau, blocks,
-    the training data it saw, and :func:`decode_score` on ``decode_prompts`` validation prompts)."""
+    the training data it saw, and :func:`decode_score` on ``decode_prompts`` validation prompts). A
+    ``from_warm_start`` lever co-trains ``method`` from the preset's warm start (module docstring); its row
+    adds ``method`` and ``init``."""
     from ..proposer import load_drafter
     from ..train.loop import CoTrainer, checkpoint_dir, run_stage, teacher_forced_val, training_rows
     from ..train.regenerate import RegenData
 
+    if method != "dflash" and not from_warm_start:
+        raise ValueError(f"method={method!r} levers co-train a head: pass from_warm_start (--from-warm-start)")
     cfg = lever_config(preset, lever, steps)
     data = data or RegenData.load(cfg)
-    stage = "levers/" + lever.replace("=", "-").replace("/", "_")  # checkpoints/<preset>/levers/<lever>/
+    init = str(warm_start_folder(preset)) if from_warm_start else None
+    name = lever.replace("=", "-").replace("/", "_")
+    stage = f"levers/{method}/{name}" if from_warm_start else f"levers/{name}"  # under checkpoints/<preset>/
     t0 = time.perf_counter()
-    summary = run_stage(cfg, stage, "dflash", steps, target=target, data=data, progress=progress, overwrite=True,
-                        write_log=False)
+    summary = run_stage(cfg, stage, method, steps, target=target, data=data, init=init, progress=progress,
+                        overwrite=True, write_log=False)
     seconds = None if summary["skipped"] else time.perf_counter() - t0  # a complete run is only rescored
     rows = training_rows(cfg, data)  # what the stage trained on (a skipped stage's summary does not say)
-    md = load_drafter(checkpoint_dir(cfg, stage), "dflash", cfg, target)
+    md = load_drafter(checkpoint_dir(cfg, stage), method, cfg, target)
     val = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, cfg)
     prompts = data.prompts("val")[:decode_prompts]
     score = decode_score(target, md, prompts, cfg.train.eval_max_new_tokens) if prompts else {}
     return {"lever": lever, "steps": steps, "block_size": cfg.drafter.block_size,  # "base" follows the preset
             "anchors_per_seq": cfg.train.anchors_per_seq, "on_amx": cfg.on_amx,  # ... and its on_amx overrides
+            **({"method": method, "init": "warmstart"} if from_warm_start else {}),
             "seconds": seconds, "s_per_step": seconds and seconds / steps, "val_tf_tau": val["tf_tau"],
-            "blocks": val["blocks"], "train_sequences": len(rows),
+            "val_tf_tau_base": val.get("tf_tau_base"), "blocks": val["blocks"], "train_sequences": len(rows),
             "train_response_tokens": data.answer_tokens(rows), **score}
+
+
+def row_key(row: dict) -> tuple:
+    """Rows of the same lever, steps, method and starting point replace each other in ``levers.json``."""
+    return row["lever"], row["steps"], row.get("method", "dflash"), row.get("init")
 
 
 def decode_score(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:
@@ -121,7 +154,7 @@ def row_provenance(preset: str, command: str) -> dict[str, Any]:
 
 
 def record(preset: str, rows: Sequence[dict]) -> None:
-    """Merge ``rows`` into ``results/<preset>/levers.{json,csv}`` (same lever and steps: replaced)."""
+    """Merge ``rows`` into ``results/<preset>/levers.{json,csv}`` (same :func:`row_key`: replaced)."""
     import json
 
     import pandas as pd
@@ -135,11 +168,11 @@ def record(preset: str, rows: Sequence[dict]) -> None:
     # it is kept (``legacy_provenance``) when the file's ``provenance`` moves on to the latest write
     legacy = before.get("legacy_provenance") or (before.get("provenance") if any("git_revision" not in r for r in old)
                                                  else None)
-    keep = {(r["lever"], r["steps"]): r for r in old}
+    keep = {row_key(r): r for r in old}
     for r in rows:
-        prev = keep.get((r["lever"], r["steps"]), {})
-        keep[(r["lever"], r["steps"])] = {**r, **(trained_by(prev) if r["seconds"] is None else {})}
-    merged = sorted(keep.values(), key=lambda r: (r["steps"], -r["val_tf_tau"]))
+        prev = keep.get(row_key(r), {})
+        keep[row_key(r)] = {**r, **(trained_by(prev) if r["seconds"] is None else {})}
+    merged = sorted(keep.values(), key=lambda r: (bool(r.get("init")), r["steps"], -r["val_tf_tau"]))
     atomic_write_json(out, {"rows": merged, "provenance": provenance(preset),
                             **({"legacy_provenance": legacy} if legacy and any("git_revision" not in r for r in merged)
                                else {})})
@@ -195,7 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m xpress.studies.levers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=None, help="training steps per lever (default 400 from scratch, "
+                    "train.steps from the warm start)")
+    ap.add_argument("--method", choices=("dflash", "markov", "xpress"), default="dflash",
+                    help="what a lever trains (markov and xpress need --from-warm-start)")
+    ap.add_argument("--from-warm-start", action="store_true", help="co-train from the preset's trained warm start")
     ap.add_argument("--decode-prompts", type=int, default=8, help="validation prompts decoded per lever (0: none)")
     ap.add_argument("--gap", action="store_true", help="also score the trained stages on training vs "
                     "validation sequences (results/<preset>/generalisation.json)")
@@ -207,15 +244,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['val_tf_tau']:.2f} on held-out ones", flush=True)
     if not args.levers:
         return 0
-    cfgs = [lever_config(args.preset, lever, args.steps) for lever in args.levers]  # bad keys fail first
+    if args.method != "dflash" and not args.from_warm_start:
+        ap.error(f"--method {args.method} co-trains a head from the warm start: add --from-warm-start")
+    steps = args.steps or (load_config(args.preset).train.steps if args.from_warm_start else 400)
+    cfgs = [lever_config(args.preset, lever, steps) for lever in args.levers]  # bad keys fail first
+    if args.from_warm_start:
+        warm_start_folder(args.preset)  # a missing warm start fails before any training
     target = load_target(cfgs[0])
     command = " ".join(["python -m xpress.studies.levers", *(argv if argv is not None else sys.argv[1:])])
     for lever in args.levers:
-        row = run_lever(args.preset, lever, args.steps, target=target, decode_prompts=args.decode_prompts)
+        row = run_lever(args.preset, lever, steps, target=target, decode_prompts=args.decode_prompts,
+                        method=args.method, from_warm_start=args.from_warm_start)
         record(args.preset, [{**row, **row_provenance(args.preset, command)}])
         decoded = (f", tau by decoding {row['val_tau']:.2f}, {row['measured_speedup']:.2f}x AR measured, "
                    f"{row['implied_speedup']:.2f}x implied" if "val_tau" in row else "")
-        print(f"{lever}: val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps{decoded}", flush=True)
+        what = f"{args.method} from the warm start, " if args.from_warm_start else ""
+        print(f"{lever}: {what}val teacher-forced tau {row['val_tf_tau']:.3f} after {row['steps']} steps{decoded}",
+              flush=True)
     for draw in (plots.draw_levers, plots.draw_data_scaling):
         drawn = draw(args.preset)
         if drawn is not None:

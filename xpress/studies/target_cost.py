@@ -22,6 +22,10 @@ drafting: a speculative round must commit that many tokens to match autoregressi
 
     from xpress.studies.target_cost import run_target_cost
     result = run_target_cost("cpu")      # results/cpu/target_cost.{json,csv}
+
+The last section times the whole step and verify of any target at given :class:`xpress.studies.shapes.Shapes`
+(:func:`time_target`; a random transformers Qwen3 of the paper's shapes from :func:`random_target`): notebook
+05's latency study puts them beside the drafter's own costs.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import paths
-from ..timing import time_calls
+from ..timing import time_call, time_calls
+from .shapes import Shapes
 
 CONTEXTS = (64, 300, 1000)
 NEW_TOKENS = (1, 4, 8, 16)
@@ -206,3 +211,78 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
     }
     write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "target_cost", result, rows)
     return result
+
+
+# ====================================================================== step and verify (notebook 05)
+def random_target(shapes: Shapes, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
+    """A transformers Qwen3 causal LM of ``shapes`` with random weights (seeded, no download), in ``dtype``
+    on ``device``, eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    s = shapes
+    config = Qwen3Config(vocab_size=s.target_vocab, hidden_size=s.hidden, intermediate_size=s.target_intermediate,
+                         num_hidden_layers=s.target_layers, num_attention_heads=s.heads,
+                         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, max_position_embeddings=40960,
+                         tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype on its device: no float32 copy of 8B weights
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def time_target(model, shapes: Shapes, repeats: int, warmup: int, seed: int = 0) -> dict[str, dict[str, float]]:
+    """The target's 1-token decoding step (lean: one logit) and its B-token verification (every logit
+    and the hidden states, as the decoding loop asks), after a ``shapes.context``-token prompt; the
+    cache is cropped back after each call; :func:`xpress.timing.time_call` of each over ``repeats`` calls
+    after ``warmup`` ones, random ids drawn from ``seed``. ``model``: a transformers causal LM, or the lean runtime
+    (:class:`xpress.runtime.LeanModel`) that a preset's target computes with."""
+    from transformers import DynamicCache
+
+    from ..runtime import LeanModel
+    from ..targets import target_layer_ids
+
+    L, B = shapes.context, shapes.block_size
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(model, LeanModel):
+        dev = model.device
+        ctx = torch.randint(model.embed.shape[0], (1, L), generator=g).to(dev)
+        kv = model.new_cache(1, L + B)
+        model.forward(ctx, kv, logits_to_keep=1)
+        feature_layers = target_layer_ids(model.n_layers, shapes.target_features)
+
+        def lean_call(n: int, verify: bool) -> Callable[[], None]:
+            ids = torch.randint(model.embed.shape[0], (1, n), generator=g).to(dev)
+
+            @torch.inference_mode()
+            def run() -> None:
+                model.forward(ids, kv, logits_to_keep=0 if verify else 1,
+                              feature_layers=feature_layers if verify else None)
+                kv.crop(-n)
+            return run
+
+        return {"target step (1 token)": time_call(lean_call(1, False), repeats, warmup, dev),
+                f"target verify ({B} tokens)": time_call(lean_call(B, True), repeats, warmup, dev)}
+    dev = next(model.parameters()).device
+    ctx = torch.randint(model.config.vocab_size, (1, L), generator=g).to(dev)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def call(n: int, verify: bool) -> Callable[[], None]:
+        ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
+        pos = torch.arange(L, L + n, device=dev)[None]
+
+        @torch.inference_mode()
+        def run() -> None:
+            model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                  output_hidden_states=verify, logits_to_keep=0 if verify else 1)
+            cache.crop(-n)  # back to the L-token prompt
+        return run
+
+    return {"target step (1 token)": time_call(call(1, False), repeats, warmup, dev),
+            f"target verify ({B} tokens)": time_call(call(B, True), repeats, warmup, dev)}

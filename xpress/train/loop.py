@@ -443,6 +443,46 @@ def train_step(model, optimizer, accelerator, params: list, batch: Batch, vocab:
     return logs, grad_norm
 
 
+def _trainable(cfg: Config, drafter: ModelDrafter, method: str, trainer_state: dict | None, accelerator
+               ) -> tuple[CoTrainer, Any, Any, list]:
+    """(module, the accelerator's model and optimizer, the trained parameters) for a stage: the drafter and
+    its head in a :class:`CoTrainer` (the head alone trains with ``train.refiner_only``), AdamW resumed
+    from ``trainer_state`` when there is one."""
+    module = CoTrainer(drafter.drafter, drafter.head, drafter.vocab).train()
+    if cfg.train.refiner_only and method != "dflash":
+        module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if trainer_state is not None:
+        optimizer.load_state_dict(trainer_state["optimizer"])
+    model, optimizer = accelerator.prepare(module, optimizer)
+    return module, model, optimizer, params
+
+
+def _validate(module: CoTrainer, method: str, vocab: DraftVocab, cfg: Config, data: RegenData, target,
+             prompts: list) -> dict[str, float] | None:
+    """The stage's validation: tau by decoding ``prompts`` (the first ``train.eval_prompts`` validation
+    prompts) and the teacher-forced scores of the validation split (keys ``val_*``); None without prompts.
+    The module is back in training mode afterwards."""
+    if not prompts:
+        return None
+    tf = teacher_forced_val(module, data, cfg, None if data.has_states else target)
+    module.eval()
+    md = ModelDrafter(module.drafter, module.head, vocab, method, cfg.head.max_iters)
+    result = tau_by_decoding(target, md, prompts, cfg.train.eval_max_new_tokens)
+    module.train()
+    return {**result, **{f"val_{k}": v for k, v in tf.items()}}
+
+
+def _save_rank_weights(folder: Path, module: CoTrainer, rank: int, accelerator) -> None:
+    """``rank<r>.safetensors``: this process's own weights, for the tests that check the ranks stay equal."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+              str(folder / f"rank{rank}.safetensors"))
+    accelerator.wait_for_everyone()
+
+
 def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
               init: str | None = None, progress: bool = True, overwrite: bool = False,
               stop_after: int | None = None, accelerator=None, write_log: bool = True) -> dict[str, Any]:
@@ -477,15 +517,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     target = target or load_target(cfg)
     vocab, coverage = build_vocab(cfg, target, data)
     drafter, trainer_state, start, log = _starting_point(cfg, folder, state, method, target, vocab, init)
-
-    module = CoTrainer(drafter.drafter, drafter.head, vocab).train()
-    if cfg.train.refiner_only and method != "dflash":
-        module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    if trainer_state is not None:
-        optimizer.load_state_dict(trainer_state["optimizer"])
-    model, optimizer = accelerator.prepare(module, optimizer)
+    module, model, optimizer, params = _trainable(cfg, drafter, method, trainer_state, accelerator)
     readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
 
     train_rows = training_rows(cfg, data)
@@ -495,14 +527,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     consistency = cfg.train.consistency_weight > 0 and method != "dflash"  # the plain drafter has no head
 
     def evaluate() -> dict[str, float] | None:
-        if not (main and val_prompts):
-            return None
-        tf = teacher_forced_val(module, data, cfg, None if data.has_states else target)
-        module.eval()
-        md = ModelDrafter(module.drafter, module.head, vocab, method, cfg.head.max_iters)
-        result = tau_by_decoding(target, md, val_prompts, cfg.train.eval_max_new_tokens)
-        module.train()
-        return {**result, **{f"val_{k}": v for k, v in tf.items()}}
+        return _validate(module, method, vocab, cfg, data, target, val_prompts) if main else None
 
     def save() -> None:
         _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
@@ -547,11 +572,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         save()
     accelerator.wait_for_everyone()
     if os.environ.get("XPRESS_SAVE_EVERY_RANK") == "1":  # tests: each process's own weights (DDP keeps them equal)
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
-                  str(folder / f"rank{rank}.safetensors"))
-        accelerator.wait_for_everyone()
+        _save_rank_weights(folder, module, rank, accelerator)
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "mixed_precision": accelerator.mixed_precision, "train_sequences": len(train_rows),
