@@ -19,7 +19,7 @@ replaces its row).
 
 With ``--from-warm-start`` a lever is a co-training run instead: ``--method`` (dflash, markov or xpress)
 starts from the preset's trained warm start (``checkpoints/<preset>/warmstart/``, complete) as the real
-stages do, for ``--steps`` steps (default ``train.steps``), into ``checkpoints/<preset>/levers/<method>/<name>/``;
+stages do, for ``--steps`` steps (default ``train.steps``), into ``checkpoints/<preset>/levers/<method>/<name>-<steps>steps/``;
 the head's levers (``head.rank``, ``train.gamma``, ``train.consistency_weight``, the loss mix, longer
 co-training) are measured this way. Rows carry ``method`` and ``init`` (``warmstart``; from-scratch rows have
 none) and are kept apart from the from-scratch rows in the figures.
@@ -74,7 +74,9 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     data = data or RegenData.load(cfg)
     init = str(warm_start_folder(preset)) if from_warm_start else None
     name = lever.replace("=", "-").replace("/", "_")
-    stage = f"levers/{method}/{name}" if from_warm_start else f"levers/{name}"  # under checkpoints/<preset>/
+    # under checkpoints/<preset>/; a co-training lever's folder names its steps, so that runs of other lengths
+    # (the longer co-training row) keep their own checkpoints
+    stage = f"levers/{method}/{name}-{steps}steps" if from_warm_start else f"levers/{name}"
     t0 = time.perf_counter()
     summary = run_stage(cfg, stage, method, steps, target=target, data=data, init=init, progress=progress,
                         overwrite=True, write_log=False)
