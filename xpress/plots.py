@@ -451,10 +451,11 @@ def break_even_tau(rows: Sequence[dict]) -> float | None:
 
 
 def lever_rows(levers: dict | None) -> list[dict]:
-    """The full-length lever comparison in ``levers.json``: the one-key levers from scratch (not the data-scaling
-    prefixes, not the co-training rows) decoded on the validation prompts, at the largest number of steps where ``base`` and at least
-    one other lever ran with the same target dtype (rows of another machine class do not compare), ``base``
-    first, then by implied speedup ([] when there is none yet: ``make studies`` runs them)."""
+    """The full-length lever comparison in ``levers.json``: the one-key levers from scratch (not the
+    data-scaling prefixes, not the co-training rows) decoded on the validation prompts, at the largest number
+    of steps where ``base`` and at least one other lever ran with the same target dtype (rows of another
+    machine class do not compare), ``base`` first, then by implied speedup ([] when there is none yet:
+    ``make studies`` runs them)."""
     rows = [r for r in (levers or {}).get("rows", []) if r.get("val_tau") is not None and not r.get("init")
             and not r["lever"].startswith("train.train_sequences=")]
     groups: dict[tuple, list[dict]] = {}

@@ -19,10 +19,11 @@ replaces its row).
 
 With ``--from-warm-start`` a lever is a co-training run instead: ``--method`` (dflash, markov or xpress)
 starts from the preset's trained warm start (``checkpoints/<preset>/warmstart/``, complete) as the real
-stages do, for ``--steps`` steps (default ``train.steps``), into ``checkpoints/<preset>/levers/<method>/<name>-<steps>steps/``;
-the head's levers (``head.rank``, ``train.gamma``, ``train.consistency_weight``, the loss mix, longer
-co-training) are measured this way. Rows carry ``method`` and ``init`` (``warmstart``; from-scratch rows have
-none) and are kept apart from the from-scratch rows in the figures.
+stages do, for ``--steps`` steps (default ``train.steps``), into
+``checkpoints/<preset>/levers/<method>/<name>-<steps>steps/``; the head's levers (``head.rank``,
+``train.gamma``, ``train.consistency_weight``, the loss mix, longer co-training) are measured this way. Rows
+carry ``method`` and ``init`` (``warmstart``; from-scratch rows have none) and are kept apart from the
+from-scratch rows in the figures.
 
 Teacher-forced acceptance over random anchors runs higher than tau by decoding (decoding rounds start
 where the previous draft failed, which are harder positions), so the rows rank levers; they are not a tau.
