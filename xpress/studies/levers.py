@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from .. import paths, plots
@@ -46,7 +47,7 @@ def lever_config(preset: str, lever: str, steps: int) -> Config:
     return load_config(preset, ["train.eval_prompts=0", f"train.checkpoint_every={steps + 1}", *overrides])
 
 
-def warm_start_folder(preset: str):
+def warm_start_folder(preset: str) -> Path:
     """The preset's trained warm start (``checkpoints/<preset>/warmstart/``), which co-training levers start
     from; a missing or unfinished one is a :class:`xpress.train.loop.TrainingError` naming the command."""
     from ..train.loop import WARM_START, TrainingError, checkpoint_dir, read_state

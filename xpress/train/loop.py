@@ -460,7 +460,7 @@ def _trainable(cfg: Config, drafter: ModelDrafter, method: str, trainer_state: d
 
 
 def _validate(module: CoTrainer, method: str, vocab: DraftVocab, cfg: Config, data: RegenData, target,
-             prompts: list) -> dict[str, float] | None:
+              prompts: list) -> dict[str, float] | None:
     """The stage's validation: tau by decoding ``prompts`` (the first ``train.eval_prompts`` validation
     prompts) and the teacher-forced scores of the validation split (keys ``val_*``); None without prompts.
     The module is back in training mode afterwards."""
