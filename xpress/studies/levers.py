@@ -9,8 +9,8 @@ with the run's own stage costs).
     python -m xpress.studies.levers --preset cpu --gap     # trained stages: training vs held-out acceptance
 
 Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run trains the ``dflash``
-drafter for ``--steps`` steps into ``checkpoints/<preset>/levers/<name>/`` (never the real stages' folders),
-then scores it with :func:`xpress.train.loop.teacher_forced_val`, whose fixed anchors make the runs
+drafter for ``--steps`` steps into ``checkpoints/<preset>/levers/<name>-<steps>steps/`` (never the real
+stages' folders; a run of other steps keeps its own), then scores it with :func:`xpress.train.loop.teacher_forced_val`, whose fixed anchors make the runs
 compare on the same ~700 blocks (a lever with another block size scores blocks of its own length). A
 complete run of the same lever and steps is not retrained, only rescored: its row keeps the training time
 and, as ``trained_command``, ``trained_git_revision`` and ``trained_date``, where the training ran. Rows
@@ -76,9 +76,8 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     data = data or RegenData.load(cfg)
     init = str(warm_start_folder(preset)) if from_warm_start else None
     name = lever.replace("=", "-").replace("/", "_")
-    # under checkpoints/<preset>/; a co-training lever's folder names its steps, so that runs of other lengths
-    # (the longer co-training row) keep their own checkpoints
-    stage = f"levers/{method}/{name}-{steps}steps" if from_warm_start else f"levers/{name}"
+    # under checkpoints/<preset>/; the folder names the steps, so that runs of other lengths keep their own
+    stage = (f"levers/{method}/" if from_warm_start else "levers/") + f"{name}-{steps}steps"
     t0 = time.perf_counter()
     summary = run_stage(cfg, stage, method, steps, target=target, data=data, init=init, progress=progress,
                         overwrite=True, write_log=False)
