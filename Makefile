@@ -44,6 +44,7 @@ studies: setup
 		--from-warm-start --decode-prompts 48 $(HEAD_LEVERS) || exit 1; done
 	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) eval.repeats=1
+	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
 
 test: setup

@@ -28,8 +28,8 @@ from xpress.proposer import load_drafter, new_drafter
 from xpress.targets import target_forward
 from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
                                  teacher_forced_acceptance)
-from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, step_generator,
-                               step_rows, train, training_rows)
+from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, stage_signature,
+                               step_generator, step_rows, train, training_rows)
 from xpress.train.regenerate import RegenData, regenerate
 
 DATA = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16", "data.regen_shard_size=4"]
@@ -343,6 +343,46 @@ def test_resume_is_exact(root, data, monkeypatch):
                            _tensors(a / "xpress")["model.safetensors/fc.weight"]), "co-training did not train"
     again = train(cfg, "xpress", progress=False)  # complete: nothing to do
     assert again["warmstart"]["skipped"] and again["xpress"]["skipped"]
+    # co-training keys are not the warm start's: a longer co-training keeps it and retrains the method only
+    longer = train(small("train.warm_start_steps=2", "train.steps=5", "train.consistency_weight=0.5", "head.rank=8"),
+                   "xpress", progress=False, overwrite=True)
+    assert longer["warmstart"]["skipped"] and longer["xpress"]["step"] == 5 and not longer["xpress"].get("skipped")
+
+
+def test_stage_signature_keys():
+    """The warm start's signature ignores the co-training keys and the head, and keeps the rest of the recipe;
+    a co-training stage's keeps everything (the warm start's steps and recipe stand for its starting folder)."""
+    def sig(*extra, method="dflash", init=None):
+        return stage_signature(small(*extra), "s", method, 2, init)
+
+    assert sig() == sig("train.steps=9", "train.consistency_weight=0.1", "train.anchor_weight_end=0.5",
+                        "train.refiner_only=true", "head.rank=8")
+    for change in ("train.lr=1e-3", "train.gamma=2", "train.anchors_per_seq=8", "drafter.num_layers=2", "seed=3"):
+        assert sig() != sig(change), change
+    for change in ("train.steps=9", "train.warm_start_steps=7", "head.rank=8", "train.consistency_weight=0.1"):
+        assert sig(method="xpress", init="w") != sig(change, method="xpress", init="w"), change
+    every = stage_signature(small(), "s", "dflash", 2, None, every_key=True)  # how older warm starts were signed
+    assert every != sig() and every["head"] == sig(method="xpress", init="w")["head"]
+    assert stage_signature(small(), "s", "xpress", 2, "w", every_key=True) == sig(method="xpress", init="w")
+
+
+def test_a_warm_start_signed_the_old_way_is_kept(root, data, monkeypatch):
+    """A complete warm start whose state carries the every-key signature (written before the co-training keys
+    left it) is reused, not refused; a foreign signature is still refused with the fix named."""
+    cfg = small("train.warm_start_steps=2")
+    folder = _where(monkeypatch, root, "legacy") / "warmstart"
+    assert train(cfg, "dflash", progress=False)["warmstart"]["complete"]
+    state_file = folder / "train_state.json"
+    state = json.loads(state_file.read_text())
+    from xpress.train.regenerate import config_hash
+
+    state["signature_hash"] = config_hash(stage_signature(cfg, "warmstart", "dflash", 2, None, every_key=True))
+    state_file.write_text(json.dumps(state))
+    assert train(cfg, "dflash", progress=False)["warmstart"]["skipped"]
+    state["signature_hash"] = "another"
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(TrainingError, match="another config or method.*--overwrite"):
+        train(cfg, "dflash", progress=False)
 
 
 def test_refiner_only_keeps_the_drafter(root, data, monkeypatch):
@@ -649,3 +689,37 @@ def test_two_processes_stay_identical(root, data, tmp_path, torchrun):
     assert prov["world_size"] == 2
     # training happened: the refiner's readout starts at zero
     assert r0["head.w_r.weight"].abs().max() > 0
+
+
+def test_decoding_accepts_what_teacher_forcing_predicts(root, data, target, monkeypatch):
+    """At T = 0 each decoding round accepts exactly the drafts that teacher forcing accepts at the round's anchor
+    (the same context, positions and refiner inputs), for the plain drafter and the refiner, at every k; the
+    decoded text is the regenerated answer. Anchors one position off disagree, so the check can fail."""
+    from xpress.studies.anchor_bias import decode_anchors, run_anchor_bias
+    from xpress.train.loop import accepted_at
+
+    cfg = small("train.steps=40", "train.lr=3e-3")
+    _where(monkeypatch, root, "anchor-bias")
+    for method in ("dflash", "xpress"):
+        train(cfg, method, progress=False)
+    # the training sequences, which 40 steps at a high rate half learn by heart: many drafts are accepted
+    result = run_anchor_bias(cfg, target, methods=["dflash", "xpress"], ks=(0, 2), n_prompts=3, progress=False,
+                             save=False, split="train")
+    assert [(r["method"], r["k"]) for r in result["table"]] == [("dflash", 7), ("dflash", 2), ("xpress", 7), ("xpress", 2)]
+    for r in result["table"]:
+        assert r["output_is_regenerated"] and r["rounds"] > 5 and r["anchors"] > r["rounds"]
+        assert r["agreement"] == 1.0 and r["tf_tau_decode_anchors"] == r["decode_tau"], r
+    assert max(r["decode_tau"] for r in result["table"]) > 1.2  # drafts are accepted: the counts say something
+    md = load_drafter(paths.CHECKPOINTS / "smoke" / "xpress", "xpress", cfg, target)
+    module = CoTrainer(md.drafter, md.head, md.vocab)
+    off = moved = 0
+    for i in data.indices("train")[:3]:
+        seq, p = data.input_ids[i], data.prompt_len[i]
+        anchors, counts, _ = decode_anchors(target, md, seq[:p], seq[p:])
+        kept = [(a, c) for a, c in zip(anchors, counts) if a + 1 + md.draft_tokens < len(seq)]
+        shifted = accepted_at(module, data, cfg, i, [a + 1 for a, _ in kept], md.draft_tokens)
+        off += sum(int(s) != c for s, (_, c) in zip(shifted.tolist(), kept))
+        with torch.no_grad():  # the head changes choices: the refiner's inputs are part of what agreed above
+            out = module(make_batch(data, [i], small("train.anchors_per_seq=8"), step_generator(0, 0, 0)), consistency=False)
+        moved += int((out["refined"].argmax(-1) != out["base"].argmax(-1)).sum())
+    assert off > 0 and moved > 0

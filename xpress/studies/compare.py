@@ -181,26 +181,27 @@ def agree_on_study(cfg: Config, prompts: Sequence[dict], **settings: Any) -> Non
                       "give every rank the same data/ and tokenizer (XPRESS_DATA, the same package versions)")
 
 
-def study_main(argv: Sequence[str] | None, prog: str, doc: str, example: str, body) -> int:
+def study_main(argv: Sequence[str] | None, prog: str, doc: str, example: str, body, add_args=None) -> int:
     """A study's command line: :func:`study_cli`, inside the launcher's process group when started by
     ``torchrun`` / ``accelerate launch`` (:func:`xpress.distributed.session`); ``body(cfg, target, args)``
-    returns the exit code (it prints on rank 0 only). Ranks that disagree or die: one line, exit 2."""
+    returns the exit code (it prints on rank 0 only). Ranks that disagree or die: one line, exit 2.
+    ``add_args(parser)``: the study's own options."""
     import sys
 
     from .. import distributed
 
     try:
         with distributed.session():
-            cfg, target, args = study_cli(argv, prog, doc, example)
+            cfg, target, args = study_cli(argv, prog, doc, example, add_args)
             return body(cfg, target, args)
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def study_cli(argv: Sequence[str] | None, prog: str, doc: str, example: str):
-    """The shared command line of the studies (``--preset``, ``--no-progress``, config overrides): parses
-    ``argv``, seeds, loads the target -> (cfg, target, args)."""
+def study_cli(argv: Sequence[str] | None, prog: str, doc: str, example: str, add_args=None):
+    """The shared command line of the studies (``--preset``, ``--no-progress``, config overrides, and what
+    ``add_args(parser)`` adds): parses ``argv``, seeds, loads the target -> (cfg, target, args)."""
     import argparse
 
     from ..config import load_config
@@ -211,6 +212,8 @@ def study_cli(argv: Sequence[str] | None, prog: str, doc: str, example: str):
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help=f"config overrides key=value ({example}, ...)")
+    if add_args is not None:
+        add_args(parser)
     args = parser.parse_args(argv)
     cfg = load_config(args.preset, args.overrides)
     seed_everything(cfg.seed)

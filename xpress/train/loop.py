@@ -27,9 +27,9 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -282,8 +282,6 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     rows = data.indices("val") if rows is None else rows
     if not rows:
         return {}
-    from dataclasses import replace
-
     # the same blocks whatever the training batch shape: VAL_ANCHORS anchors per sequence, fixed batch
     cfg = replace(cfg, train=replace(cfg.train, anchors_per_seq=VAL_ANCHORS, batch_size=VAL_BATCH))
     was_training = module.training
@@ -310,11 +308,52 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     return {"tf_tau": tau(final), "tf_tau_base": tau(base), "blocks": int(full.sum())}
 
 
+@torch.no_grad()
+def accepted_at(module: CoTrainer, data: RegenData, cfg: Config, row: int, anchors: Sequence[int], k: int,
+                target=None, chunk: int = 64) -> torch.Tensor:
+    """Teacher-forced accepted drafts at ``anchors`` (positions in regenerated sequence ``row``, each with its
+    next ``k`` tokens inside the first ``train.max_len``): [len(anchors)] int64, each in 0..k, how many of the
+    block's first ``k`` choices (the head's refined argmax given the sequence's tokens before it; the
+    drafter's for dflash) equal the sequence's next tokens, in a row. At T = 0 this is what a decoding round
+    anchored there accepts: a refined position reads the tokens before it, which are the sequence's wherever
+    the round is still accepting."""
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    out = []
+    for s in range(0, len(anchors), chunk):
+        part = list(anchors[s:s + chunk])
+        c = replace(cfg, train=replace(cfg.train, anchors_per_seq=len(part)))
+        batch = make_batch(data, [row], c, torch.Generator(), anchors=[part], target=target).to(device)
+        got = module(batch, consistency=False)
+        choice = got.get("refined", got["base"]).argmax(-1)[:, :k]  # [n, k]
+        labels = module.vocab.to_draft(batch.labels.reshape(len(part), -1))[:, :k]
+        hit = (choice == labels) & batch.label_valid.reshape(len(part), -1)[:, :k]
+        out.append(hit.long().cumprod(-1).sum(-1).cpu())
+    module.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 # ---------------------------------------------------------------------------------------------- stages
-def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None) -> dict[str, Any]:
-    """What makes a stage's result: config sections, data, method, steps and its starting point."""
+# train keys that only a stage with a head reads (or, for ``steps``, that the warm start does not run)
+COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor_weight_end", "refiner_only")
+
+
+def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None,
+                    every_key: bool = False) -> dict[str, Any]:
+    """What makes a stage's result: config sections, data, method, steps and its starting point.
+
+    A plain drafter trained from scratch (the warm start, a from-scratch lever) reads neither the head
+    section nor the co-training keys (:data:`COTRAINING_ONLY`), so changing those does not retrain it. A
+    co-training stage keeps all of ``train``: it names its start only by folder, and ``warm_start_steps``
+    and the rest of the recipe stand in for what that folder holds. ``every_key``: keep them all, as
+    checkpoints written before 2026-12-04 were signed (still accepted: :func:`run_stage`)."""
+    train, head = asdict(cfg.train), asdict(cfg.head)
+    if method == "dflash" and init is None and not every_key:
+        train = {k: v for k, v in train.items() if k not in COTRAINING_ONLY}
+        head = None
     return {"stage": stage, "method": method, "steps": steps, "init": init, "seed": cfg.seed,
-            "drafter": asdict(cfg.drafter), "head": asdict(cfg.head), "train": asdict(cfg.train),
+            "drafter": asdict(cfg.drafter), "head": head, "train": train,
             "data": config_hash(regen_signature(cfg))}
 
 
@@ -364,11 +403,11 @@ def resolve_mixed_precision(name: str) -> str:
     return name
 
 
-def _resumable_state(folder: Path, signature: dict, overwrite: bool) -> dict | None:
-    """The state of ``folder``'s checkpoint if it continues this stage (same signature), else None; a
-    checkpoint of another signature is a TrainingError unless ``overwrite`` (then the stage starts over)."""
+def _resumable_state(folder: Path, signatures: list[dict], overwrite: bool) -> dict | None:
+    """The state of ``folder``'s checkpoint if it continues this stage (one of its ``signatures``), else None;
+    a checkpoint of another signature is a TrainingError unless ``overwrite`` (then the stage starts over)."""
     state = read_state(folder)
-    if state is not None and state.get("signature_hash") != config_hash(signature):
+    if state is not None and state.get("signature_hash") not in {config_hash(s) for s in signatures}:
         if not overwrite:
             raise TrainingError(f"{folder} holds a checkpoint of another config or method (method {state.get('method')!r}, "
                                 f"step {state.get('step')}); remove it or pass --overwrite to start over")
@@ -501,7 +540,8 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
     folder = checkpoint_dir(cfg, stage)
     signature = stage_signature(cfg, stage, method, steps, init)
-    state = _resumable_state(folder, signature, overwrite)
+    state = _resumable_state(folder, [signature, stage_signature(cfg, stage, method, steps, init, every_key=True)],
+                             overwrite)
     if state is not None and state.get("complete"):
         return {"stage": stage, "method": method, "skipped": True, **state}
 
