@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the resolution study, the verify length), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the resolution study, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin

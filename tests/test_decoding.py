@@ -401,18 +401,3 @@ def test_cpu_preset_batched_ar_equals_single(cpu_setup):
     for start in range(0, 16, 4):
         gens = generate_ar_batch(target, prompts[start:start + 4], CPU_MAX_NEW)
         _batched_equal_up_to_near_ties(target, prompts[start:start + 4], gens, reference[start:start + 4])
-
-
-@pytest.mark.slow
-def test_cpu_preset_decoding_accepts_what_teacher_forcing_predicts(cpu_setup):
-    """The trained checkpoints on 4 validation prompts at the preset's k: decoding reproduces the regenerated
-    answers, and its rounds accept what teacher forcing predicts at their anchors, up to reduced-precision
-    near-ties of the drafter (at least 98% of rounds; the committed study has 99.9-100% over 48 prompts)."""
-    from xpress.studies.anchor_bias import run_anchor_bias
-
-    cfg, target, *_ = cpu_setup
-    result = run_anchor_bias(cfg, target, ks=(cfg.decode.draft_tokens,), n_prompts=4, progress=False, save=False)
-    assert {r["method"] for r in result["table"]} == set(MODEL_METHODS)
-    for r in result["table"]:
-        assert r["output_is_regenerated"] and r["agreement"] >= 0.98, r
-        assert abs(r["decode_tau"] - r["tf_tau_decode_anchors"]) < 0.02, r

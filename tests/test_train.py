@@ -704,7 +704,11 @@ def test_decoding_accepts_what_teacher_forcing_predicts(root, data, target, monk
         train(cfg, method, progress=False)
     # the training sequences, which 40 steps at a high rate half learn by heart: many drafts are accepted
     result = run_anchor_bias(cfg, target, methods=["dflash", "xpress"], ks=(0, 2), n_prompts=3, progress=False,
-                             save=False, split="train")
+                             split="train")
+    assert json.loads((paths.RESULTS / "smoke" / "anchor_bias.json").read_text())["table"] == result["table"]
+    from xpress.report import _anchor_bias_section
+
+    assert sum(line.startswith("| xpress | 2 |") for line in _anchor_bias_section(result)) == 1
     assert [(r["method"], r["k"]) for r in result["table"]] == [("dflash", 7), ("dflash", 2), ("xpress", 7), ("xpress", 2)]
     for r in result["table"]:
         assert r["output_is_regenerated"] and r["rounds"] > 5 and r["anchors"] > r["rounds"]
@@ -723,3 +727,6 @@ def test_decoding_accepts_what_teacher_forcing_predicts(root, data, target, monk
             out = module(make_batch(data, [i], small("train.anchors_per_seq=8"), step_generator(0, 0, 0)), consistency=False)
         moved += int((out["refined"].argmax(-1) != out["base"].argmax(-1)).sum())
     assert off > 0 and moved > 0
+    from xpress.studies.anchor_bias import main as anchor_bias_main
+
+    assert anchor_bias_main(["--preset", "smoke", "--no-progress", "--draft-tokens", "9"]) == 2  # one line, no run

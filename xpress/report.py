@@ -197,6 +197,22 @@ def _draft_length_section(dl: dict) -> list[str]:
     return out
 
 
+def _anchor_bias_section(ab: dict) -> list[str]:
+    """Teacher forcing against decoding at the same anchors (``anchor_bias.json``), one row per (method, k)."""
+    out = [f"**Teacher forcing against decoding** (`anchor_bias.json`, `{ab['command']}`; T = 0, batch 1, the first "
+           f"{ab['n_prompts']} {ab.get('split', 'val')} prompts decoded to the end of their regenerated answers; "
+           f"{_where(ab['provenance'])}): the teacher-forced acceptance at the anchors decoding used, the share of "
+           f"rounds where it equals what the verify accepted, and the teacher-forced acceptance at every anchor of "
+           f"the same answers (what training's random anchors estimate). Every output equal to the regenerated "
+           f"answer: {all(r['output_is_regenerated'] for r in ab['table'])}.", "",
+           "| method | k | rounds | tau by decoding | teacher-forced, its anchors | agreement | teacher-forced, every anchor |",
+           "|---|---|---|---|---|---|---|"]
+    for r in ab["table"]:
+        out.append(f"| {r['method']} | {r['k']} | {r['rounds']} | {r['decode_tau']:.3f} | {r['tf_tau_decode_anchors']:.3f} | "
+                   f"{r['agreement']:.3f} | {r['tf_tau_every_anchor']:.3f} |")
+    return out + [""]
+
+
 def _regen_speed_section(rs: dict) -> list[str]:
     """Regeneration's two engines timed in one run (``regen_speed.json``), one row per engine and batch size."""
     out = [f"**Regeneration engines** (`regen_speed.json`, `{rs['command']}`; the first {rs['prompts']} regeneration "
@@ -393,6 +409,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     dl = _load(folder, "draft_length.json")
     if dl:
         out += _draft_length_section(dl)
+    ab = _load(folder, "anchor_bias.json")
+    if ab:
+        out += _anchor_bias_section(ab)
     out += _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling)
     lat = _load(folder, "latency.json")
     if lat:

@@ -270,7 +270,8 @@ inline void amx_config2(int r1) {  // tmm0, tmm1, tmm4: 16 rows; tmm2, tmm3, tmm
 
 // out[M, N] = bf16(x[M, K]) @ W.T in float32, W packed by pack_bf16(); the threads take equal runs of panels,
 // each group of four serving every block of rows before the next group (its weights come from memory once):
-// pairs of 16-row blocks first (amx_block2), then what is left in blocks of up to 16 (amx_block).
+// pairs of blocks first (amx_block2: 16 rows and up to 16 more, so 17-31 rows left take one pass over the
+// weights, not two), then what is left, at most 16 rows, in one block (amx_block).
 // done, pairs: as linear_into's.
 template <class Done = NoEpilogue>
 void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o,
@@ -283,14 +284,14 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
     for (int64_t p0 = q0; p0 < q1; p0 += PANELS_PER_TASK) {
       const int64_t p1 = std::min(q1, p0 + PANELS_PER_TASK);
       int64_t m = 0;
-      if (M >= 32) {
-        amx_config2(16);
-        for (; m + 32 <= M; m += 32)
-          for (int64_t p = p0; p < p1;) {
-            float* om = o + m * N + p * 16;
-            if (p + 2 <= p1) { amx_block2<2>(xb + m * K, K, W + p * ps, ps, om, N); p += 2; }
-            else { amx_block2<1>(xb + m * K, K, W + p * ps, ps, om, N); p += 1; }
-          }
+      for (int configured = 0; M - m > 16; m += 32) {  // 16 rows and up to 16 more: one pass over the weights
+        const int r1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
+        if (r1 != configured) { amx_config2(r1); configured = r1; }
+        for (int64_t p = p0; p < p1;) {
+          float* om = o + m * N + p * 16;
+          if (p + 2 <= p1) { amx_block2<2>(xb + m * K, K, W + p * ps, ps, om, N); p += 2; }
+          else { amx_block2<1>(xb + m * K, K, W + p * ps, ps, om, N); p += 1; }
+        }
       }
       for (; m < M; m += 16) {
         amx_config(static_cast<int>(std::min<int64_t>(16, M - m)));
