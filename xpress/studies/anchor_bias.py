@@ -68,34 +68,46 @@ def run_anchor_bias(cfg: Config, target, methods: Sequence[str] | None = None, k
     load = LoadRecord.start()
     t0 = time.perf_counter()
     data = RegenData.load(cfg)
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r}: use 'val' (held-out answers) or 'train'")
     rows = data.indices(split)[:n_prompts]
     if not rows:
         raise ValueError(f"no {split} sequences in {data.folder}: regenerate with data.n_{split}_prompts > 0")
     drafters = {name: d for name, d in at_lengths(make_drafters(cfg, target, methods, untrained_ok), ks).items()
                 if d is not None}
     states = None if data.has_states else target
+    by_method: dict[str, list] = {}  # a method's drafters at each k share one network
+    for name, d in drafters.items():
+        by_method.setdefault(name.split(" k=")[0], []).append(d)
     table = []
     bar = tqdm(total=len(drafters) * len(rows), desc="anchor bias", disable=not progress)
-    for name, d in drafters.items():
-        method, k = name.split(" k=")[0], d.draft_tokens
-        module = CoTrainer(d.drafter, d.head, d.vocab)
-        dec, tf, every, same = [], [], [], []
+    for method, at_k in by_method.items():
+        module = CoTrainer(at_k[0].drafter, at_k[0].head, at_k[0].vocab)
+        most = max(d.draft_tokens for d in at_k)
+        runs = {d.draft_tokens: ([], [], [], []) for d in at_k}  # k -> decoded, teacher-forced, every anchor, same
         for i in rows:
             seq, p = data.input_ids[i], data.prompt_len[i]
             end = min(len(seq), cfg.train.max_len)  # training's window
-            anchors, counts, same_text = decode_anchors(target, d, seq[:p], seq[p:end])
-            kept = [(a, c) for a, c in zip(anchors, counts) if a + k < end]
-            dec += [c for _, c in kept]
-            tf += accepted_at(module, data, cfg, i, [a for a, _ in kept], k, states).tolist()
-            every += accepted_at(module, data, cfg, i, list(range(p - 1, end - k)), k, states).tolist()
-            same.append(same_text)
-            bar.update()
-        n = max(1, len(dec))
-        table.append({"method": method, "k": k, "prompts": len(rows), "rounds": len(dec),
-                      "decode_tau": 1 + sum(dec) / n, "tf_tau_decode_anchors": 1 + sum(tf) / n,
-                      "agreement": sum(a == b for a, b in zip(dec, tf)) / n,
-                      "tf_tau_every_anchor": 1 + sum(every) / max(1, len(every)), "anchors": len(every),
-                      "output_is_regenerated": all(same)})
+            # one teacher-forced pass for every k: anchor p - 1 + j at index j; accepted drafts of the first k
+            # are min(accepted of the first `most`, k), the labels being valid through a + k < end
+            forced = accepted_at(module, data, cfg, i, list(range(p - 1, end - 1)), most, states)
+            for d in at_k:
+                k = d.draft_tokens
+                dec, tf, every, same = runs[k]
+                anchors, counts, same_text = decode_anchors(target, d, seq[:p], seq[p:end])
+                kept = [(a, c) for a, c in zip(anchors, counts) if a + k < end]
+                dec += [c for _, c in kept]
+                tf += [min(int(forced[a - p + 1]), k) for a, _ in kept]
+                every += forced[:end - k - p + 1].clamp_max(k).tolist()
+                same.append(same_text)
+                bar.update()
+        for k, (dec, tf, every, same) in runs.items():
+            n = max(1, len(dec))
+            table.append({"method": method, "k": k, "prompts": len(rows), "rounds": len(dec),
+                          "decode_tau": 1 + sum(dec) / n, "tf_tau_decode_anchors": 1 + sum(tf) / n,
+                          "agreement": sum(a == b for a, b in zip(dec, tf)) / n,
+                          "tf_tau_every_anchor": 1 + sum(every) / max(1, len(every)), "anchors": len(every),
+                          "output_is_regenerated": all(same)})
     bar.close()
     result = {"what": "tau by decoding (T = 0, batch 1, the validation prompts' regenerated answers) against "
                       "teacher-forced acceptance at decoding's own anchors and at every anchor, per method and k",
