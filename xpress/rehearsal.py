@@ -125,6 +125,17 @@ def _tokenizer_source(package: str) -> str:
         return package  # load_target says how to install it
 
 
+def _same_spec(written: Any, asked: Any) -> bool:
+    """``written == asked``, except that an unversioned tokenizer source (its package is not installed here,
+    as on a GPU node that was sent the written folders) matches any version of that package: the folder
+    already holds the tokenizer files it was written with."""
+    if isinstance(written, dict) and isinstance(asked, dict):
+        return written.keys() == asked.keys() and all(
+            (k == "tokenizer" and isinstance(asked[k], str) and str(written[k]).startswith(asked[k] + "-"))
+            or _same_spec(written[k], asked[k]) for k in asked)
+    return written == asked
+
+
 def _complete(folder: Path, spec: dict[str, Any]) -> bool:
     """True when ``folder`` holds a finished asset of ``spec``; False when it is absent; a folder written
     for another spec is a :class:`RehearsalError`."""
@@ -132,7 +143,7 @@ def _complete(folder: Path, spec: dict[str, Any]) -> bool:
     if not marker.is_file():
         return False
     written = json.loads(marker.read_text()).get("spec")
-    if written != spec:
+    if not _same_spec(written, spec):
         raise RehearsalError(f"{folder} is a rehearsal {spec['kind']} of another shape ({MARKER} says {written}, the "
                              f"preset asks {spec}); delete the folder {folder} and the next load writes it again")
     return True

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (no network; its own torch and transformers): what only a GPU can check.
+#
+#   1. Table 3 / Figure 4 at the paper's shapes (scripts/gpu_latency.py: random bf16 Qwen3-8B-shaped target,
+#      the 5-layer drafter, xPress K = 1..8, the Markov head; eager, CUDA graphs, torch.compile).
+#   2. The lossless engine on CUDA: `bench oracle-ceiling` on the qwen3-tiny stand-in target in bf16 with
+#      transformers' forward (the lean CPU runtime does not run there): every output against greedy AR,
+#      the divergences with their top-2 logit margins, the 16-token verify against a 1-token step.
+#
+# Needs the rehearsal stand-ins written here first (`python -m xpress rehearsal-assets --preset qwen3-tiny`)
+# and carried: device run with carry [".cache/rehearsal"], command `bash scripts/device_check.sh`.
+# Writes under $OUT (default ./device-out): h200/latency.{json,csv}, qwen3-tiny-cuda/oracle_ceiling.{json,csv},
+# one log per step and steps.txt (the machine, each step's exit status and seconds). Each step has its own time limit, so one failure leaves the others' files.
+set -u
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XPRESS_RESULTS=/tmp/xpress-results  # at most 8 files come back: only the ones named below
+PY=${PYTHON:-python3}
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
+} 2>&1 | tee "$OUT/steps.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+
+step latency 330 $PY scripts/gpu_latency.py --out-dir "$OUT/h200"
+step oracle 150 $PY -m xpress bench oracle-ceiling --preset qwen3-tiny --n-prompts 8 --no-progress \
+  --out-dir "$OUT/qwen3-tiny-cuda" target.device=cuda
+cat "$OUT/steps.txt"
