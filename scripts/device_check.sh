@@ -42,6 +42,6 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 }
 
 step latency 330 $PY scripts/gpu_latency.py --out-dir "$OUT/h200"
-step oracle 200 $PY -m xpress bench oracle-ceiling target.device=cuda --preset qwen3-tiny --n-prompts 8 \
+step oracle 300 $PY -m xpress bench oracle-ceiling target.device=cuda --preset qwen3-tiny --n-prompts 8 --repeats 1 \
   --no-progress --out-dir "$OUT/qwen3-tiny-cuda"   # overrides right after the subcommand
 cat "$OUT/steps.txt"

@@ -51,7 +51,15 @@ class TargetConfig:
     classes of CPU it was measured on, where it builds; else torch). attention, for the fused bf16 layer:
     ``auto`` runs attention's two products (q.k, p.v) on the AMX tiles too, in bf16 with float32 sums, where
     the head width is a multiple of 32; ``float32`` keeps them in float32 (the path before). The choices made
-    are recorded in every provenance.
+    are recorded in every provenance. frame_rows, for the transformers runtime (the one a GPU runs): ``F > 0`` runs every
+    forward without an attention mask (batch-1 decoding: prefill, steps, verifies) on frames of exactly
+    ``F`` positions aligned to multiples of ``F`` (a frame's positions before the new tokens are recomputed
+    from the token ids, the ones after them padded and cropped off), so that every position is computed by
+    the same forward shape on the same inputs whether a 1-token step or a verify reaches it: greedy
+    speculative decoding then equals greedy AR bit for bit on any kernels (a reduced-precision target
+    otherwise flips greedy tokens at near-ties: measured in bf16 on a CPU and on an H200,
+    docs/inference.md). A verify costs one frame, or two where it crosses a frame's end. ``0`` runs each
+    forward at its own length. It must be at least ``drafter.block_size``.
     """
 
     source: str = "random"
@@ -62,6 +70,7 @@ class TargetConfig:
     kernels: str = "auto"  # auto, fused or torch (the lean runtime's layer: C++ or PyTorch operations)
     attention: str = "auto"  # auto or float32: the fused bf16 layer's attention products on AMX tiles or not
     device: str = "cpu"
+    frame_rows: int = 0  # transformers runtime: unmasked forwards run on aligned frames of this many positions (0 = off)
     max_context: int = 8192  # prompt + generation; longer prompts are refused
     # shape of the `random` target, and of the rehearsal target that xpress.rehearsal writes for a hub folder
     # under rehearsal/ (qwen3-tiny; head_dim = random_hidden / random_heads); ignored otherwise
@@ -211,6 +220,9 @@ class Config:
                f"target.kernels={self.target.kernels!r}: use auto, fused or torch")
         _check(self.target.attention in {"auto", "float32"},
                f"target.attention={self.target.attention!r}: use auto or float32")
+        _check(self.target.frame_rows == 0 or self.target.frame_rows >= self.drafter.block_size,
+               f"target.frame_rows={self.target.frame_rows} is below drafter.block_size={self.drafter.block_size}: "
+               f"set it to 0 (off) or at least the block size")
         _check(self.target.source != "hub" or bool(self.target.model),
                "target.model is empty: give a hub id or a local folder for target.source=hub")
         _check(self.target.max_context > 0, "target.max_context must be positive")

@@ -490,11 +490,61 @@ def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
 
     if cache is None:
         cache = DynamicCache(config=target.model.config)
+    if target.cfg.frame_rows and attention_mask is None:
+        return _frame_call(target, input_ids, cache, position_ids, logits_to_keep, hidden_states)
     out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
                        attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
                        logits_to_keep=logits_to_keep)
     features = torch.cat([out.hidden_states[i + 1] for i in target.layer_ids], dim=-1) if hidden_states else None
     return out.logits.float(), features, out.past_key_values
+
+
+def _frame_call(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None,
+                logits_to_keep: int, hidden_states: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """:func:`_model_call` on the transformers forward in frames (``F = target.frame_rows``).
+
+    The new tokens ``input_ids`` [b, n] sit at positions ``P .. P + n - 1`` (``P`` = the cache's length).
+    Every forward covers one frame ``[f F, (f + 1) F)``: the frame's positions before ``P`` are cropped off
+    the cache and recomputed from their token ids (kept on the cache, ``_xpress_ids`` [b, P]), the ones past
+    the new tokens are copies of the last token whose cache columns are cropped off afterwards, and a frame
+    that holds a returned position runs the LM head on all F rows. So a position's row is always computed
+    by a forward of F rows after ``f F`` cached columns, on the same token ids, whether a step, a verify or
+    a prefill reaches it: its bits do not depend on the kernels' choices by shape.
+    """
+    F, (b, n) = target.cfg.frame_rows, input_ids.shape
+    P = cache.get_seq_length()
+    if position_ids is not None and int(position_ids[0, 0]) != P:
+        raise TargetError(f"target.frame_rows={F} needs the new tokens right after the cache ({P} columns), "
+                          f"got position {int(position_ids[0, 0])}; set target.frame_rows=0 for this use")
+    history = getattr(cache, "_xpress_ids", input_ids.new_zeros(b, 0))
+    if history.shape[1] < P:
+        raise TargetError(f"target.frame_rows={F}: the cache holds {P} columns but only {history.shape[1]} were "
+                          f"written by frames; build the cache through xpress.targets with the same setting")
+    ids_all = torch.cat([history[:, :P], input_ids], dim=1)  # [b, P + n]
+    cache._xpress_ids = ids_all
+    first = P + n - (logits_to_keep or n)  # the first position whose logits are returned
+    start = P // F * F
+    if start < P:
+        cache.crop(start - P)  # transformers >= 5: a negative count removes that many columns
+    logits, features = [], []
+    for s in range(start, P + n, F):
+        ids = ids_all[:, s:s + F]  # [b, c], c <= F
+        c = ids.shape[1]
+        if c < F:
+            ids = torch.cat([ids, ids[:, -1:].expand(-1, F - c)], dim=1)  # [b, F]
+        pos = torch.arange(s, s + F, device=ids.device)[None].expand(b, F)
+        kept = s + c > first
+        out = target.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                           output_hidden_states=hidden_states, logits_to_keep=0 if kept else 1)
+        cache = out.past_key_values
+        if c < F:
+            cache.crop(c - F)
+        if kept:
+            logits.append(out.logits[:, max(first - s, 0):c])
+        if hidden_states and s + c > P:
+            features.append(torch.cat([out.hidden_states[i + 1][:, max(P - s, 0):c] for i in target.layer_ids], -1))
+    cache._xpress_ids = ids_all
+    return (torch.cat(logits, dim=1).float(), torch.cat(features, dim=1) if hidden_states else None, cache)
 
 
 def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
