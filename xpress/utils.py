@@ -177,10 +177,15 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
                "cpu_features": cpu_features()}  # one model name covers EPYCs with and without native bf16
     if torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(0)
+    revision = {"git_revision": git("rev-parse", "HEAD") or "unknown",
+                "git_dirty": bool(git("status", "--porcelain", "--", ".", ":!results"))}  # code not committed
+    if os.environ.get("XPRESS_GIT_REVISION"):  # a copy of the tree sent without its history (a lent GPU machine)
+        revision = {"git_revision": os.environ["XPRESS_GIT_REVISION"],
+                    "git_dirty": os.environ.get("XPRESS_GIT_DIRTY", "0") == "1",
+                    "git_from": "XPRESS_GIT_REVISION: the sender's revision, the copy has no history of its own"}
     return {
         "preset": preset,
-        "git_revision": git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": bool(git("status", "--porcelain", "--", ".", ":!results")),  # code not committed
+        **revision,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "python": platform.python_version(),
