@@ -197,6 +197,20 @@ def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_ar
     text = results_markdown("p", results)
     assert "NVIDIA H200" in text and "not measured yet" not in text
     assert "| paper | xpress K=4 | xpress K=4 | 0.3 | 0.500 | 379 | 0.631 |" in text
+    assert "lossless on the GPU" not in text
+    t.update({"target step (1 token)": {"median_ms": 40.0}, "target verify (16 tokens)": {"median_ms": 50.0}})
+    prov = {"machine": {"gpu": "NVIDIA H200", "cpu_model": "some cpu"}, "git_revision": "abcdef0", "date": "2026-12-01"}
+    write(results.parent / "h200", "latency", {"shape_sets": {"paper": {"timings": t, "shapes": {"block_size": 16}, "paired": {
+        "markov_over_xpress_k4": {"median": 0.6, "min": 0.5, "max": 0.7}}}}, "provenance": prov})
+    write(results.parent / "h200", "oracle_ceiling", {
+        "preset": "qwen3-tiny", "runtime": {"dtype": "bfloat16", "frame_rows": 64}, "n_prompts": 8, "mismatched_prompts": ["a"],
+        "tau": 15.5, "verify_cost": {"block_size": 16, "loop_ratio": 1.01}, "ar_tokens_per_s": 100.0,
+        "compare": {"generate": {"tokens_per_s": 90.0}, "generate_static": {"tokens_per_s": 600.0}}, "provenance": prov})
+    text = results_markdown("p", results)
+    assert "Markov / xPress K=4 = 0.60x (range 0.50-0.70 over paired rounds)" in text
+    assert "a 1-token step 40.0 ms, a 16-token verify 50.0 ms (1.25x)" in text
+    assert ("transformers forward on 64-position frames: 7 of 8 prompts equal to greedy AR with the oracle drafter "
+            "(tau 15.5); a 16-token verify 1.01x a step; AR 100 tokens/s") in text
 
 
 def test_lever_rows_compare_one_machine_class_at_one_length():

@@ -297,6 +297,28 @@ def _gpu_section(folder: Path) -> list[str]:
     for r in beside_paper_table3(h200):
         out.append(f"| {r['shapes']} | {r['component']} | {r['measured_as']} | {r['median_ms']:.4g} | "
                    f"{r['ratio_to_markov']:.3f} | {r['paper_us']} | {r['paper_ratio_to_markov']:.3f} |")
+    out.append("")
+    for name, s in h200["shape_sets"].items():
+        t, eager = s["timings"], (s.get("paired") or {}).get("markov_over_xpress_k4")
+        line = f"- {name} shapes, eager (no graphs):"
+        if eager:
+            line += f" Markov / xPress K=4 = {eager['median']:.2f}x (range {eager['min']:.2f}-{eager['max']:.2f} over paired rounds);"
+        step, verify = t.get("target step (1 token)"), next((v for k, v in t.items() if k.startswith("target verify")), None)
+        if step and verify:
+            line += (f" the random bf16 target (transformers forward, batch 1): a 1-token step {step['median_ms']:.1f} ms, "
+                     f"a {s['shapes']['block_size']}-token verify {verify['median_ms']:.1f} ms ({verify['median_ms'] / step['median_ms']:.2f}x)")
+        out.append(line.rstrip(";") + ".")
+    exact = _load(folder.parent / "h200", "oracle_ceiling.json")
+    if exact:
+        c, frames = exact["compare"], exact["runtime"].get("frame_rows")
+        out.append(f"- lossless on the GPU (`results/h200/oracle_ceiling.json`, `bash scripts/device_check.sh`; "
+                   f"{_where(exact['provenance'])}): the {exact['preset']} stand-in target in {exact['runtime']['dtype']}, "
+                   f"transformers forward{f' on {frames}-position frames' if frames else ''}: "
+                   f"{exact['n_prompts'] - len(exact['mismatched_prompts'])} of {exact['n_prompts']} prompts equal to greedy "
+                   f"AR with the oracle drafter (tau {exact['tau']:.1f}); a {exact['verify_cost']['block_size']}-token verify "
+                   f"{exact['verify_cost']['loop_ratio']:.2f}x a step; AR {exact['ar_tokens_per_s']:.0f} tokens/s, "
+                   f"transformers' generate() {c['generate']['tokens_per_s']:.0f} (dynamic cache) and "
+                   f"{c['generate_static']['tokens_per_s']:.0f} (static cache).")
     return out + [""]
 
 

@@ -292,14 +292,14 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
                               "cpu_features": rt.cpu_features()}
     on_cpu = torch.device(tc.device).type == "cpu"
     if planned_runtime(tc) == "transformers":
-        return None, record
+        return None, {**record, "frame_rows": tc.frame_rows}
     kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, dtype, model)
     try:
         lean = rt.LeanModel(model, dtype, kernels=kernels, attention=tc.attention)
     except rt.RuntimeUnsupported as e:
         if tc.runtime == "lean":
             raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
-        return None, {**record, "why_not_lean": str(e)}
+        return None, {**record, "why_not_lean": str(e), "frame_rows": tc.frame_rows}
     record["runtime"] = "lean"
     if on_cpu:
         check = rt.check_row_invariance(lean)
