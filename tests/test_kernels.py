@@ -58,13 +58,13 @@ def test_linear_is_a_product_whose_rows_do_not_depend_on_how_many_are_computed(f
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64)])
-def test_bf16_products_on_amx_tiles_do_not_depend_on_how_many_rows_are_computed(fused, shape):
-    """With a weight packed by pack_bf16, ``linear`` rounds x to bf16 and multiplies on the AMX tiles: a
-    bf16 product (float64 reference on the same rounded operands, float32 accumulation only) whose rows
-    have the same bits whether computed alone, in one tile of up to 16 rows, or in pairs of tiles (16 rows and
-    up to 16 more) past 16."""
-    if not fused.amx_ready():
-        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+def test_bf16_products_do_not_depend_on_how_many_rows_are_computed(fused, shape):
+    """With a weight packed by pack_bf16, ``linear`` rounds x to bf16 and multiplies on the AMX tiles or, without
+    them, with AVX512-BF16 (VDPBF16PS): a bf16 product (float64 reference on the same rounded operands, float32
+    accumulation only) whose rows have the same bits whether computed alone, in one tile of up to 16 rows or
+    a block of 8, or in pairs of tiles (16 rows and up to 16 more) past 16."""
+    if not fused.bf16_ready():
+        pytest.skip("bf16 products need AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
     torch.manual_seed(0)
     w = torch.randn(shape)
     packed = fused.pack_bf16(w)
@@ -73,19 +73,21 @@ def test_bf16_products_on_amx_tiles_do_not_depend_on_how_many_rows_are_computed(
     one = torch.cat([fused.linear(x[j:j + 1], packed) for j in range(100)])
     ref = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T
     torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-4)
-    for m in (2, 15, 16, 17, 31, 32, 33, 40, 50, 64, 90, 100):
+    for m in (2, 3, 7, 8, 9, 13, 15, 16, 17, 24, 31, 32, 33, 40, 50, 64, 90, 100):
         assert torch.equal(fused.linear(x[:m], packed), one[:m]), m
     with pytest.raises(RuntimeError, match="K % 32 == 0"):
         fused.pack_bf16(torch.randn(16, 48))
 
 
-def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, nkv, eps, bf16=False):
+def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, nkv, eps, bf16=False, tiles=None):
     """One Llama layer in float64 with the fused layer's conventions (rotated pairs adjacent, gate rows before
     up rows); keys / values [nkv, L, hd] hold the cached columns. Returns the new residual stream. ``bf16``:
     the weights and every product's input rounded to bf16 first, as the AMX products do, attention's included
-    (q, k, the softmax numerators and v; the denominators are sums of the unrounded numerators)."""
+    (q, k, the softmax numerators and v; the denominators are sums of the unrounded numerators) unless ``tiles``
+    is False (bf16 products with AVX512-BF16: attention stays float32)."""
     f = lambda t: t.double()
     r = (lambda t: t.to(torch.bfloat16).double()) if bf16 else f  # a product's operands
+    ra = r if (bf16 if tiles is None else tiles) else f  # attention's operands
     mm = lambda x, w: r(x) @ r(w).T
     n, hd = h.shape[0], keys.shape[2]
     rms = lambda x, w: x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * f(w)
@@ -98,10 +100,10 @@ def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, n
     K = torch.cat((f(keys), k.transpose(0, 1)), 1)  # [nkv, L + n, hd]
     V = torch.cat((f(values), v.transpose(0, 1)), 1)
     g = nh // nkv
-    scores = torch.einsum("nhd,hcd->hnc", r(q), r(K).repeat_interleave(g, 0)) / hd ** 0.5
+    scores = torch.einsum("nhd,hcd->hnc", ra(q), ra(K).repeat_interleave(g, 0)) / hd ** 0.5
     scores = scores.masked_fill(torch.arange(L + n)[None, None] > L + torch.arange(n)[None, :, None], float("-inf"))
     e = (scores - scores.amax(-1, keepdim=True)).exp()  # attention on the tiles: bf16 numerators, float32 sums
-    att = torch.einsum("hnc,hcd->nhd", r(e), r(V).repeat_interleave(g, 0)) / e.sum(-1).transpose(0, 1)[..., None]
+    att = torch.einsum("hnc,hcd->nhd", ra(e), ra(V).repeat_interleave(g, 0)) / e.sum(-1).transpose(0, 1)[..., None]
     att = att.reshape(n, nh * hd)
     h = f(h) + mm(att, wo)
     gate, up = mm(rms(h, ln2), wgu).chunk(2, -1)
@@ -205,8 +207,8 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
     tiles; and the layer is a Llama layer (a float64 reference: float32 rounding only; with bf16 weights on
     AMX, the reference rounds the same operands to bf16 and the rest is float32 rounding and the odd
     activation that rounds to the other bf16 neighbour)."""
-    if bf16 and not fused.amx_ready():
-        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+    if bf16 and not fused.bf16_ready():
+        pytest.skip("bf16 products need AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
     torch.manual_seed(L)
     H, nh, nkv, hd, inter, n, cap, eps = 192, 9, 3, 64, 256, 16, 160, 1e-5
     w = lambda *shape: torch.randn(shape) * shape[-1] ** -0.5
@@ -221,14 +223,14 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
 
     def call(rows, at, keys, values):
         return fused.layer(h[rows], ln1, packed[0], packed[1], ln2, packed[2], packed[3], rot[rows].contiguous(),
-                           keys, values, at, nh, nkv, eps, bf16)
+                           keys, values, at, nh, nkv, eps, bf16 and fused.amx_ready())  # tiles: AMX only
     k_all, v_all = cached[0].clone(), cached[1].clone()
     together = call(slice(0, n), L, k_all, v_all)
     k_one, v_one = cached[0].clone(), cached[1].clone()
     alone = torch.cat([call(slice(i, i + 1), L + i, k_one, v_one) for i in range(n)])
     assert torch.equal(together, alone) and torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
     ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps,
-                           bf16=bf16)
+                           bf16=bf16, tiles=bf16 and fused.amx_ready())
     tol = 3e-3 if bf16 else 1e-4  # the float32 attention is ~1e-2 from the bf16 reference: the tiles are checked
     torch.testing.assert_close(together.double(), ref, rtol=tol, atol=tol)
 
@@ -302,15 +304,16 @@ def test_bf16_fused_layers_on_amx_are_exact_and_lossless(fused, heads):
     are the float32 PyTorch path's up to bf16 rounding, and speculative decoding equals greedy AR token for
     token with a perfect and a random drafter. With heads of width 32 the attention's products run on the
     tiles too (the smoke target's width 16 keeps them in float32)."""
-    if not fused.amx_ready():
-        pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+    if not fused.bf16_ready():
+        pytest.skip("bf16 products need AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
     over = ["target.dtype=bfloat16", "target.kernels=auto", *(WIDE_HEADS if heads == "width32" else [])]
     target = load_target(load_config("smoke", over))
     assert target.meta["kernels"] == "fused" and target.meta["dtype"] == "bfloat16"
-    tiles = heads == "width32"
+    tiles = heads == "width32" and fused.amx_ready()  # attention on the tiles: AMX only
     assert target.runtime.tile_attention == tiles
     assert target.meta["attention"] == ("bf16 products on AMX tiles" if tiles else "float32 (fused kernel)")
-    assert target.meta["row_invariance"]["exact"] and "AMX" in target.meta["kernels_reason"]
+    assert target.meta["row_invariance"]["exact"]
+    assert ("AMX tiles" if fused.amx_ready() else "AVX512-BF16") in target.meta["kernels_reason"]
     lean = target.runtime
     assert lean.layers[0].fused[0].dtype == torch.bfloat16 and lean.new_cache(1).keys[0].dtype == torch.float32
     for context, n in ((1, 16), (63, 3), (64, 16), (150, 16), (rt.ROW_CHUNK + 7, 7)):
@@ -336,7 +339,7 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
         load_config("smoke", ["target.kernels=cuda"])
     with pytest.raises(ConfigError, match="target.attention='bf16': use auto or float32"):
         load_config("smoke", ["target.attention=bf16"])
-    if fused.amx_ready():  # attention=float32 keeps the bf16 layer's attention off the tiles
+    if fused.bf16_ready():  # attention=float32 keeps the bf16 layer's attention off the tiles
         t = load_target(load_config("smoke", ["target.dtype=bfloat16", "target.attention=float32", *WIDE_HEADS]))
         assert not t.runtime.tile_attention and t.meta["attention"] == "float32 (fused kernel)"
     with pytest.raises(RuntimeError, match="attention on AMX tiles needs bf16 weights"):
@@ -346,7 +349,7 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
                     fused.pack(torch.zeros(64, 64)), fused.pack(torch.zeros(64, 32)), torch.zeros(1, 16, 2),
                     keys, keys.clone(), 0, 1, 1, 1e-5, True)
     bf16 = ["target.kernels=fused", "target.runtime=lean", "target.dtype=bfloat16"]
-    if fused.amx_ready():  # bf16 runs on the AMX tiles; float16 nowhere
+    if fused.bf16_ready():  # bf16 runs on the AMX tiles or with AVX512-BF16; float16 nowhere
         assert load_target(load_config("smoke", bf16)).meta["kernels"] == "fused"
         with pytest.raises(TargetError, match="set target.kernels=auto"):
             load_target(load_config("smoke", ["target.kernels=fused", "target.runtime=lean", "target.dtype=float16"]))
@@ -357,7 +360,7 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
     expect = "torch" if rt.cpu_features()["avx512f"] else "fused"  # auto, float32: the measured class of CPU only
     assert t.meta["kernels"] == expect and t.meta["kernels_reason"]
     t = load_target(load_config("smoke", ["target.kernels=auto", "target.dtype=bfloat16"]))
-    assert t.meta["kernels"] == ("fused" if fused.amx_ready() else "torch")  # auto, bf16: AMX tiles only
+    assert t.meta["kernels"] == ("fused" if fused.bf16_ready() else "torch")  # auto, bf16: AMX or AVX512-BF16
 
 
 def test_without_the_kernels_auto_falls_back_and_fused_refuses(monkeypatch):
@@ -380,10 +383,10 @@ def test_drafter_products_follow_the_target_onto_amx_tiles(fused):
     stays greedy AR token for token; a float32 target puts them back in float32. Refused without AMX tiles."""
     before = kn.bf16_products()
     try:
-        if not fused.amx_ready():
+        if not fused.bf16_ready():
             with pytest.raises(ValueError, match="AMX"):
                 kn.use_bf16_products(True)
-            pytest.skip("bf16 products run on AMX tiles, which this CPU (or kernel) does not offer")
+            pytest.skip("bf16 products need AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
         over = ["target.dtype=bfloat16", "target.kernels=auto"]
         target = load_target(load_config("smoke", over))
         assert kn.bf16_products() and target.meta["drafter_products"] == kn.status()["products"] == "bfloat16"

@@ -84,8 +84,9 @@ def use_bf16_products(on: bool) -> None:
     does and as bf16 autocast trained it, reading half the bytes. ``status()["products"]`` says which.
     Refused (ValueError) where the module is not loaded or has no AMX tiles."""
     mod = _state.get("module")
-    if on and (mod is None or not mod.amx_ready()):
-        raise ValueError("bf16 products need the fused kernels loaded on a CPU with AMX tiles (fused_cpu().amx_ready())")
+    if on and (mod is None or not mod.bf16_ready()):
+        raise ValueError("bf16 products need the fused kernels loaded on a CPU with AMX tiles or AVX512-BF16 "
+                         "(fused_cpu().bf16_ready())")
     _state["bf16_products"] = bool(on)
 
 

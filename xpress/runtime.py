@@ -341,13 +341,15 @@ class LeanModel:
         self.n_layers = int(cfg.num_hidden_layers)
         if kernels is not None and (cfg.model_type != "llama" or self.device.type != "cpu"):
             raise RuntimeUnsupported("the fused kernels run Llama models on a CPU")
-        if kernels is not None and dtype == torch.bfloat16 and not (kernels.amx_ready() and amx_fits(cfg)):
-            raise RuntimeUnsupported("the fused kernels run bf16 on AMX tiles, over multiples of 32 features")
+        if kernels is not None and dtype == torch.bfloat16 and not (kernels.bf16_ready() and amx_fits(cfg)):
+            raise RuntimeUnsupported("the fused kernels run bf16 on AMX tiles or with AVX512-BF16, over multiples "
+                                     "of 32 features")
         if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
         # the fused bf16 layer's attention products on AMX tiles (attend_amx in xpress/csrc/fused_cpu.cpp)
-        self.tile_attention = (kernels is not None and bf16 and self.head_dim % 32 == 0 and attention == "auto")
+        self.tile_attention = (kernels is not None and bf16 and self.head_dim % 32 == 0 and attention == "auto"
+                               and kernels.amx_ready())
         # the dtype activations are cast to before a product, and the K/V cache's: the matmul dtype, except
         # with the fused kernels, which take float32 activations (bf16 products round them inside)
         self.act = torch.float32 if kernels is not None else dtype

@@ -322,8 +322,9 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
 
     ``auto`` takes the fused kernels for a Llama target on a CPU where they were measured faster
     (``docs/inference.md``), where they build: in float32 on a CPU with AVX2 and FMA and without AVX-512, and
-    in bf16 on a CPU with AMX-BF16 tiles (the products on the tile unit, ``amx_ready()``). ``fused`` requires
-    them (float32 on any AVX2 CPU, bf16 where AMX runs) and says why it cannot; ``torch`` never builds them."""
+    in bf16 on a CPU with AMX-BF16 tiles (the products on the tile unit, ``amx_ready()``) or, without tiles,
+    with AVX512-BF16 (VDPBF16PS, ``bf16_ready()``). ``fused`` requires them (float32 on any AVX2 CPU, bf16
+    where either runs) and says why it cannot; ``torch`` never builds them."""
     from . import kernels as kn
     from .runtime import amx_fits, cpu_features
 
@@ -333,17 +334,18 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     llama = getattr(model.config, "model_type", "") == "llama"
     feats = cpu_features()
     fits = cpu and llama and dtype in (torch.float32, torch.bfloat16)
-    measured = fits and (feats["avx2"] and not feats["avx512f"] if dtype == torch.float32 else feats["amx_bf16"])
+    measured = fits and (feats["avx2"] and not feats["avx512f"] if dtype == torch.float32
+                         else feats["amx_bf16"] or feats["avx512_bf16"])
     if tc.kernels == "auto" and not measured:
         return None, "torch", ("auto: the fused kernels are taken for Llama targets in float32 on AVX2 CPUs "
-                               "without AVX-512 and in bf16 on CPUs with AMX-BF16")
+                               "without AVX-512 and in bf16 on CPUs with AMX-BF16 or AVX512-BF16")
     if not fits:
         raise TargetError(f"target.kernels=fused runs float32 or bf16 Llama targets on a CPU (here {dtype}, "
                           f"{tc.device}, {getattr(model.config, 'model_type', '?')}); set target.kernels=auto")
     module = kn.fused_cpu()
     reason = kn.status()["reason"]
-    if module is not None and dtype == torch.bfloat16 and not module.amx_ready():
-        module, reason = None, "bf16 products need AMX tiles, which this CPU, kernel or build does not grant"
+    if module is not None and dtype == torch.bfloat16 and not module.bf16_ready():
+        module, reason = None, "bf16 products need AMX tiles or AVX512-BF16, which this CPU, kernel or build does not grant"
     elif module is not None and dtype == torch.bfloat16 and not amx_fits(model.config):
         module, reason = None, "bf16 products on AMX tiles need the hidden, attention and MLP widths in multiples of 32"
     if module is None:
@@ -353,7 +355,8 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
         log.warning("the fused C++ layer is not available (%s): the target runs the PyTorch layer "
                     "(target.kernels=torch; slower at batch 1, same results)", reason)
         return None, "torch", f"auto: {reason}"
-    return module, "fused", reason + (" (bf16 products on AMX tiles)" if dtype == torch.bfloat16 else "")
+    return module, "fused", reason + ((" (bf16 products on AMX tiles)" if module.amx_ready() else
+                                       " (bf16 products with AVX512-BF16)") if dtype == torch.bfloat16 else "")
 
 
 def planned_runtime(tc: TargetConfig) -> str:

@@ -168,7 +168,7 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
 
     fused = fused_cpu()
     for dt in dtypes:  # float32 on any AVX2 CPU, bf16 where the AMX tiles run
-        if fused is None or (dt == "bfloat16" and not (fused.amx_ready() and amx_fits(target.model.config))):
+        if fused is None or (dt == "bfloat16" and not (fused.bf16_ready() and amx_fits(target.model.config))):
             continue
         lean = LeanModel(target.model, getattr(torch, dt), kernels=fused)
         for L in contexts:
