@@ -46,13 +46,14 @@ def status() -> dict[str, Any]:
 
 
 def bf16_products() -> bool:
-    """Whether :func:`linear` runs bf16 products on AMX tiles (:func:`use_bf16_products`)."""
+    """Whether :func:`linear` runs bf16 products (AMX tiles or AVX512-BF16; :func:`use_bf16_products`)."""
     return _state.get("bf16_products", False)
 
 
 def fused_cpu():
     """The compiled fused kernels (``pack``, ``linear``, ``rms_norm``, ``layer``, ``layer_rows``; float32, and
-    bf16 products on AMX tiles where ``amx_ready()``: ``pack_bf16``), or None."""
+    bf16 products on AMX tiles where ``amx_ready()``, else with AVX512-BF16 where ``bf16_ready()``:
+    ``pack_bf16``), or None."""
     if "module" in _state:
         return _state["module"]
     module, reason, openmp = None, "", False
@@ -77,12 +78,13 @@ def fused_cpu():
 
 
 def use_bf16_products(on: bool) -> None:
-    """Whether :func:`linear` and :func:`linears` run their products on AMX tiles with the weights rounded to
-    bf16 (the inputs are rounded inside, the sums stay float32), for weights over a multiple of 32 input
-    features; otherwise float32. The target loader (:func:`xpress.targets.load_target`) sets it to whether the
-    target itself runs bf16 products on AMX, so that a drafter computes at the precision its target
-    does and as bf16 autocast trained it, reading half the bytes. ``status()["products"]`` says which.
-    Refused (ValueError) where the module is not loaded or has no AMX tiles."""
+    """Whether :func:`linear` and :func:`linears` run their products in bf16 (AMX tiles, or AVX512-BF16 on a CPU
+    without them) with the weights rounded to bf16 (the inputs are rounded inside, the sums stay float32), for
+    weights over a multiple of 32 input features; otherwise float32. The target loader
+    (:func:`xpress.targets.load_target`) sets it to whether the target itself runs bf16 products in the fused
+    layer, so that a drafter computes at the precision its target does and as bf16 autocast trained it,
+    reading half the bytes. ``status()["products"]`` says which. Refused (ValueError) where the module is not
+    loaded or the CPU has neither."""
     mod = _state.get("module")
     if on and (mod is None or not mod.bf16_ready()):
         raise ValueError("bf16 products need the fused kernels loaded on a CPU with AMX tiles or AVX512-BF16 "
@@ -109,7 +111,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     few rows on two cores the kernel runs a small drafter's products 1.4-3x faster than F.linear: it streams
     each packed panel once, where the library's general kernel is tuned for larger products. The kernel is
     row-invariant (a row's output does not depend on the other rows), F.linear is not. Where the target runs
-    bf16 products on AMX (:func:`use_bf16_products`), so does this, for weights over a multiple of 32 inputs."""
+    bf16 products (:func:`use_bf16_products`), so does this, for weights over a multiple of 32 inputs."""
     mod = _kernel_for(x, weight)
     if mod is None:
         return F.linear(x, weight)

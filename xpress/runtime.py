@@ -24,7 +24,7 @@ weights make a step memory-bound). This module runs the same weights with
   of :data:`ROW_CHUNK` tokens.
 
 In float32 on an AVX2 CPU, and in bf16 on a CPU with AMX tiles (whose products it then runs, any number of
-rows at about the cost of one), each decoder layer can instead be one call of a C++ kernel
+rows at about the cost of one) or with AVX512-BF16 (VDPBF16PS on 16 lanes), each decoder layer can instead be one call of a C++ kernel
 (``target.kernels``, :mod:`xpress.kernels`, ``xpress/csrc/fused_cpu.cpp``): the same function, row-invariant
 by the same construction (every row's arithmetic is fixed whatever the number of rows), without the ~60
 PyTorch dispatches a layer costs here.
@@ -281,7 +281,7 @@ class Linear:
 
 def kernel_fits(weight: torch.Tensor) -> bool:
     """Whether the fused C++ products take this weight [out, in]: float32, or bf16 with ``in`` a multiple of
-    32 (the AMX tiles' depth; the caller has checked that the module runs them, ``amx_ready()``)."""
+    32 (the AMX tiles' depth; the caller has checked that the module runs them, ``bf16_ready()``)."""
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0)
 
 

@@ -1,5 +1,6 @@
 // A Llama decoder layer for one sequence on an x86 CPU with AVX2 and FMA, in one call: float32 throughout,
-// or with bf16 weights whose products run on AMX tiles (everything else float32), on a CPU that has them.
+// or with bf16 weights whose products run on AMX tiles or, on a CPU without tiles, with AVX512-BF16
+// (everything else float32).
 //
 // Built and loaded by xpress/kernels.py (torch.utils.cpp_extension); used by xpress/runtime.py where
 // `target.runtime` resolves to "fused". Why: at batch 1 on two cores, a Python decoder layer issues
