@@ -270,6 +270,24 @@ inline void amx_config2(int r1) {  // tmm0, tmm1, tmm4: 16 rows; tmm2, tmm3, tmm
   _tile_loadconfig(&c);
 }
 
+// The frame of both bf16 products: x [M, K] rounded to bf16 once (xb), the threads take equal runs of the
+// N / 16 panels (whole pairs where `pairs`; 36 panels go 18 + 18), each run walked in groups of `group`
+// panels, block(xb, p0, p1) computing every row for panels p0..p1-1; then, on each thread, finish() and
+// done(q0, q1) for its run (done, pairs: as linear_into's).
+template <class Block, class Finish, class Done>
+void bf16_panel_runs(const float* x, int64_t M, int64_t K, int64_t N, int64_t group, bool pairs, Block block,
+                     Finish finish, Done done) {
+  uint16_t* xb = scratch<uint16_t, 0>(static_cast<size_t>(M * K));
+  to_bf16(x, M * K, xb);
+  const int64_t u = pairs ? 2 : 1;
+  at::parallel_for(0, N / 16 / u, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t q0 = u0 * u, q1 = u1 * u;
+    for (int64_t p0 = q0; p0 < q1; p0 += group) block(static_cast<const uint16_t*>(xb), p0, std::min(q1, p0 + group));
+    finish();
+    done(q0, q1);
+  });
+}
+
 // out[M, N] = bf16(x[M, K]) @ W.T in float32, W packed by pack_bf16(); the threads take equal runs of panels,
 // each group of four serving every block of rows before the next group (its weights come from memory once):
 // pairs of blocks first (amx_block2: 16 rows and up to 16 more, so 17-31 rows left take one pass over the
@@ -278,37 +296,30 @@ inline void amx_config2(int r1) {  // tmm0, tmm1, tmm4: 16 rows; tmm2, tmm3, tmm
 template <class Done = NoEpilogue>
 void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o,
                       bool pairs = false, Done done = {}) {
-  uint16_t* xb = scratch<uint16_t, 0>(static_cast<size_t>(M * K));
-  to_bf16(x, M * K, xb);
-  const int64_t P = N / 16, ps = K * 16, u = pairs ? 2 : 1;
-  at::parallel_for(0, P / u, 1, [&](int64_t u0, int64_t u1) {  // equal runs of panels (36 panels go 18 + 18)
-    const int64_t q0 = u0 * u, q1 = u1 * u;
-    for (int64_t p0 = q0; p0 < q1; p0 += PANELS_PER_TASK) {
-      const int64_t p1 = std::min(q1, p0 + PANELS_PER_TASK);
-      int64_t m = 0;
-      for (int configured = 0; M - m > 16; m += 32) {  // 16 rows and up to 16 more: one pass over the weights
-        const int r1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
-        if (r1 != configured) { amx_config2(r1); configured = r1; }
-        for (int64_t p = p0; p < p1;) {
-          float* om = o + m * N + p * 16;
-          if (p + 2 <= p1) { amx_block2<2>(xb + m * K, K, W + p * ps, ps, om, N); p += 2; }
-          else { amx_block2<1>(xb + m * K, K, W + p * ps, ps, om, N); p += 1; }
-        }
-      }
-      for (; m < M; m += 16) {
-        amx_config(static_cast<int>(std::min<int64_t>(16, M - m)));
-        const uint16_t* xm = xb + m * K;
-        for (int64_t p = p0; p < p1;) {
-          float* om = o + m * N + p * 16;
-          if (p + 4 <= p1) { amx_block<4>(xm, K, W + p * ps, ps, om, N); p += 4; }
-          else if (p + 2 <= p1) { amx_block<2>(xm, K, W + p * ps, ps, om, N); p += 2; }
-          else { amx_block<1>(xm, K, W + p * ps, ps, om, N); p += 1; }
-        }
+  const int64_t ps = K * 16;
+  auto block = [&](const uint16_t* xb, int64_t p0, int64_t p1) {
+    int64_t m = 0;
+    for (int configured = 0; M - m > 16; m += 32) {  // 16 rows and up to 16 more: one pass over the weights
+      const int r1 = static_cast<int>(std::min<int64_t>(16, M - m - 16));
+      if (r1 != configured) { amx_config2(r1); configured = r1; }
+      for (int64_t p = p0; p < p1;) {
+        float* om = o + m * N + p * 16;
+        if (p + 2 <= p1) { amx_block2<2>(xb + m * K, K, W + p * ps, ps, om, N); p += 2; }
+        else { amx_block2<1>(xb + m * K, K, W + p * ps, ps, om, N); p += 1; }
       }
     }
-    _tile_release();
-    done(q0, q1);
-  });
+    for (; m < M; m += 16) {
+      amx_config(static_cast<int>(std::min<int64_t>(16, M - m)));
+      const uint16_t* xm = xb + m * K;
+      for (int64_t p = p0; p < p1;) {
+        float* om = o + m * N + p * 16;
+        if (p + 4 <= p1) { amx_block<4>(xm, K, W + p * ps, ps, om, N); p += 4; }
+        else if (p + 2 <= p1) { amx_block<2>(xm, K, W + p * ps, ps, om, N); p += 2; }
+        else { amx_block<1>(xm, K, W + p * ps, ps, om, N); p += 1; }
+      }
+    }
+  };
+  bf16_panel_runs(x, M, K, N, PANELS_PER_TASK, pairs, block, [] { _tile_release(); }, done);
 }
 
 // ------------------------------------------------------------------ bf16 products on AVX512-BF16 (no AMX)
@@ -374,18 +385,12 @@ constexpr int64_t DP_PANELS = 12;
 template <class Done = NoEpilogue>
 void linear_bf16_dp_into(const float* x, int64_t M, int64_t K, const uint16_t* W, int64_t N, float* o,
                          bool pairs = false, Done done = {}) {
-  uint16_t* xb = scratch<uint16_t, 0>(static_cast<size_t>(M * K));
-  to_bf16(x, M * K, xb);
-  const int64_t P = N / 16, ps = K * 16, u = pairs ? 2 : 1;
-  at::parallel_for(0, P / u, 1, [&](int64_t u0, int64_t u1) {
-    const int64_t q0 = u0 * u, q1 = u1 * u;
-    for (int64_t p0 = q0; p0 < q1; p0 += DP_PANELS) {
-      const int64_t p1 = std::min(q1, p0 + DP_PANELS);
-      if (M == 1) dp_group<1, 4>(xb, 0, M, K, W, ps, p0, p1, o, N);
-      else dp_group<8, 3, true>(xb, 0, M, K, W, ps, p0, p1, o, N);
-    }
-    done(q0, q1);
-  });
+  const int64_t ps = K * 16;
+  auto block = [&](const uint16_t* xb, int64_t p0, int64_t p1) {
+    if (M == 1) dp_group<1, 4>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else dp_group<8, 3, true>(xb, 0, M, K, W, ps, p0, p1, o, N);
+  };
+  bf16_panel_runs(x, M, K, N, DP_PANELS, pairs, block, [] {}, done);
 }
 #pragma GCC pop_options
 #endif
