@@ -347,7 +347,7 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     if module is not None and dtype == torch.bfloat16 and not module.bf16_ready():
         module, reason = None, "bf16 products need AMX tiles or AVX512-BF16, which this CPU, kernel or build does not grant"
     elif module is not None and dtype == torch.bfloat16 and not amx_fits(model.config):
-        module, reason = None, "bf16 products on AMX tiles need the hidden, attention and MLP widths in multiples of 32"
+        module, reason = None, "bf16 products need the hidden, attention and MLP widths in multiples of 32"
     if module is None:
         if tc.kernels == "fused":
             raise TargetError(f"target.kernels=fused: the C++ kernels are not available ({reason}); "
@@ -524,7 +524,6 @@ def _frame_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
         raise TargetError(f"target.frame_rows={F}: the cache holds {P} columns but only {history.shape[1]} were "
                           f"written by frames; build the cache through xpress.targets with the same setting")
     ids_all = torch.cat([history[:, :P], input_ids], dim=1)  # [b, P + n]
-    cache._xpress_ids = ids_all
     first = P + n - (logits_to_keep or n)  # the first position whose logits are returned
     start = P // F * F
     if start < P:
