@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-target", action="store_true", help="skip the random Qwen3 target (8B parameters)")
     parser.add_argument("--no-compile", action="store_true", help="no torch.compile of the Jacobi pass")
     parser.add_argument("--no-graphs", action="store_true", help="no CUDA-graph variants")
+    parser.add_argument("--frames", type=int, default=64,
+                        help="also time the target on frames of this many positions (target.frame_rows of the GPU "
+                             "presets; 0: not)")
     parser.add_argument("--name", default="h200", help="results/<name>/latency.json")
     parser.add_argument("--out-dir", default=None, help="default: results/<name>/")
     args = parser.parse_args(argv)
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     lc = LatencyConfig(ks=tuple(range(1, args.max_k + 1)), repeats=args.repeats, warmup=3, device=args.device,
                        dtype=dtype, target=not args.no_target, cuda_graphs=not args.no_graphs,
-                       compile=not args.no_compile and args.device.startswith("cuda"))
+                       compile=not args.no_compile and args.device.startswith("cuda"), frames=args.frames)
     t0 = time.perf_counter()
     result = run_latency("paper", [args.shapes], lc, out_dir=args.out_dir, results_name=args.name)
     s = result["shape_sets"][args.shapes]

@@ -49,11 +49,12 @@ def test_worst_case_block_runs_k_passes_and_theorem1_positions():
 
 
 def test_run_latency_writes_results_with_provenance(tmp_path):
-    lc = LatencyConfig(ks=(1, 2, 4), repeats=3, warmup=1, target=True)
+    lc = LatencyConfig(ks=(1, 2, 4), repeats=3, warmup=1, target=True, frames=16)
     result = run_latency("smoke", ["tiny"], lc, out_dir=tmp_path, progress=False)
     s = result["shape_sets"]["tiny"]
     assert {"markov", "drafter forward", "base readout", "xpress K=4", "xpress adaptive",
-            "target step (1 token)", f"target verify ({TINY.block_size} tokens)"} <= set(s["timings"])
+            "target step (1 token)", f"target verify ({TINY.block_size} tokens)", "target step (1 token, frames of 16)",
+            f"target verify ({TINY.block_size} tokens, frames of 16)"} <= set(s["timings"])
     assert s["ratios"]["markov"] == 1.0 and s["checks"]["incremental equals dense (K=4 tokens)"]
     assert 0 < s["composition"]["xpress K=4"]["draft_share"] < 1
     p = TINY.positions

@@ -209,6 +209,9 @@ def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_ar
     text = results_markdown("p", results)
     assert "Markov / xPress K=4 = 0.60x (range 0.50-0.70 over paired rounds)" in text
     assert "a 1-token step 40.0 ms, a 16-token verify 50.0 ms (1.25x)" in text
+    t.update({"target step (1 token, frames of 64)": {"median_ms": 42.0}, "target verify (16 tokens, frames of 64)": {"median_ms": 63.0}})
+    write(results.parent / "h200", "latency", {"shape_sets": {"paper": {"timings": t, "shapes": {"block_size": 16}}}, "provenance": prov})
+    assert "on frames of 64 positions (`target.frame_rows`): step 42.0 ms, verify 63.0 ms (1.50x)" in results_markdown("p", results)
     assert ("transformers forward on 64-position frames: 7 of 8 prompts equal to greedy AR with the oracle drafter "
             "(tau 15.5); a 16-token verify 1.01x a step; AR 100 tokens/s") in text
 

@@ -303,10 +303,18 @@ def _gpu_section(folder: Path) -> list[str]:
         line = f"- {name} shapes, eager (no graphs):"
         if eager:
             line += f" Markov / xPress K=4 = {eager['median']:.2f}x (range {eager['min']:.2f}-{eager['max']:.2f} over paired rounds);"
-        step, verify = t.get("target step (1 token)"), next((v for k, v in t.items() if k.startswith("target verify")), None)
+        b = (s.get("shapes") or {}).get("block_size")
+        step, verify = t.get("target step (1 token)"), t.get(f"target verify ({b} tokens)")
         if step and verify:
             line += (f" the random bf16 target (transformers forward, batch 1): a 1-token step {step['median_ms']:.1f} ms, "
-                     f"a {s['shapes']['block_size']}-token verify {verify['median_ms']:.1f} ms ({verify['median_ms'] / step['median_ms']:.2f}x)")
+                     f"a {b}-token verify {verify['median_ms']:.1f} ms ({verify['median_ms'] / step['median_ms']:.2f}x)")
+        framed = [(k, v) for k, v in t.items() if k.startswith("target step (1 token, frames of")]
+        for k, fstep in framed:  # target.frame_rows (exact T = 0 on the GPU)
+            frames = k.removeprefix("target step (1 token, frames of ").removesuffix(")")
+            fverify = t.get(f"target verify ({b} tokens, frames of {frames})")
+            if fverify:
+                line += (f"; on frames of {frames} positions (`target.frame_rows`): step {fstep['median_ms']:.1f} ms, "
+                         f"verify {fverify['median_ms']:.1f} ms ({fverify['median_ms'] / fstep['median_ms']:.2f}x)")
         out.append(line.rstrip(";") + ".")
     exact = _load(folder.parent / "h200", "oracle_ceiling.json")
     if exact:

@@ -494,7 +494,8 @@ def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
     if cache is None:
         cache = DynamicCache(config=target.model.config)
     if target.cfg.frame_rows and attention_mask is None:
-        return _frame_call(target, input_ids, cache, position_ids, logits_to_keep, hidden_states)
+        return frame_forward(target.model, target.cfg.frame_rows, target.layer_ids, input_ids, cache, position_ids,
+                             logits_to_keep, hidden_states)
     out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
                        attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
                        logits_to_keep=logits_to_keep)
@@ -502,9 +503,11 @@ def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
     return out.logits.float(), features, out.past_key_values
 
 
-def _frame_call(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor | None,
-                logits_to_keep: int, hidden_states: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """:func:`_model_call` on the transformers forward in frames (``F = target.frame_rows``).
+def frame_forward(model: Any, F: int, layer_ids: Sequence[int], input_ids: torch.Tensor, cache: Any,
+                  position_ids: torch.Tensor | None, logits_to_keep: int,
+                  hidden_states: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """:func:`_model_call` on the transformers forward ``model`` in frames of ``F`` positions
+    (``target.frame_rows``); ``layer_ids``: the layers whose outputs make the drafter features.
 
     The new tokens ``input_ids`` [b, n] sit at positions ``P .. P + n - 1`` (``P`` = the cache's length).
     Every forward covers one frame ``[f F, (f + 1) F)``: the frame's positions before ``P`` are cropped off
@@ -514,7 +517,7 @@ def _frame_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
     by a forward of F rows after ``f F`` cached columns, on the same token ids, whether a step, a verify or
     a prefill reaches it: its bits do not depend on the kernels' choices by shape.
     """
-    F, (b, n) = target.cfg.frame_rows, input_ids.shape
+    b, n = input_ids.shape
     P = cache.get_seq_length()
     if position_ids is not None and int(position_ids[0, 0]) != P:
         raise TargetError(f"target.frame_rows={F} needs the new tokens right after the cache ({P} columns), "
@@ -536,15 +539,15 @@ def _frame_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
             ids = torch.cat([ids, ids[:, -1:].expand(-1, F - c)], dim=1)  # [b, F]
         pos = torch.arange(s, s + F, device=ids.device)[None].expand(b, F)
         kept = s + c > first
-        out = target.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
-                           output_hidden_states=hidden_states, logits_to_keep=0 if kept else 1)
+        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                    output_hidden_states=hidden_states, logits_to_keep=0 if kept else 1)
         cache = out.past_key_values
         if c < F:
             cache.crop(c - F)
         if kept:
             logits.append(out.logits[:, max(first - s, 0):c])
         if hidden_states and s + c > P:
-            features.append(torch.cat([out.hidden_states[i + 1][:, max(P - s, 0):c] for i in target.layer_ids], -1))
+            features.append(torch.cat([out.hidden_states[i + 1][:, max(P - s, 0):c] for i in layer_ids], -1))
     cache._xpress_ids = ids_all
     return (torch.cat(logits, dim=1).float(), torch.cat(features, dim=1) if hidden_states else None, cache)
 

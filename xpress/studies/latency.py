@@ -83,7 +83,9 @@ class LatencyConfig:
     random weights of ``scale`` for the refiner (N(0, scale^2 / fan_in)), ``seed``, ``device``, ``dtype``
     of every module (the heads' logits are float32 whatever it is), ``target``: also time a random target
     of these shapes (``True``) or not; ``cuda_graphs`` and ``compile``: the captured variants on CUDA;
-    ``rounds``: how many times each headline ratio is measured (:func:`paired_ratio`)."""
+    ``rounds``: how many times each headline ratio is measured (:func:`paired_ratio`); ``frames``: also time
+    the target's step and verify on frames of this many positions (``target.frame_rows``, the GPU presets'
+    exact T = 0; 0: not)."""
 
     ks: Sequence[int] = tuple(range(1, 9))
     repeats: int = 15
@@ -96,6 +98,7 @@ class LatencyConfig:
     cuda_graphs: bool = True
     compile: bool = False
     rounds: int = 5
+    frames: int = 0
 
     def __post_init__(self) -> None:
         if self.repeats < 2 or self.warmup < 0:
@@ -338,7 +341,7 @@ def measure_shapes(shapes: Shapes, lc: LatencyConfig, target_model=None, progres
             t.update(_graph_timings(block, lc, seed_block, checks, say))
     if target_model is not None:
         say(f"{shapes.name}: target step and verify")
-        t.update(time_target(target_model, shapes, lc.repeats, lc.warmup, lc.seed))
+        t.update(time_target(target_model, shapes, lc.repeats, lc.warmup, lc.seed, frames=lc.frames))
     markov = t["markov"]["median_ms"]
     ratios = {name: v["median_ms"] / markov for name, v in t.items()}
     headline = {key: paired[key]["median"] if key in paired else None for key in HEADLINE}

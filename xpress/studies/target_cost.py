@@ -235,12 +235,16 @@ def random_target(shapes: Shapes, dtype: torch.dtype, device: str | torch.device
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def time_target(model, shapes: Shapes, repeats: int, warmup: int, seed: int = 0) -> dict[str, dict[str, float]]:
+def time_target(model, shapes: Shapes, repeats: int, warmup: int, seed: int = 0,
+                frames: int = 0) -> dict[str, dict[str, float]]:
     """The target's 1-token decoding step (lean: one logit) and its B-token verification (every logit
     and the hidden states, as the decoding loop asks), after a ``shapes.context``-token prompt; the
     cache is cropped back after each call; :func:`xpress.timing.time_call` of each over ``repeats`` calls
     after ``warmup`` ones, random ids drawn from ``seed``. ``model``: a transformers causal LM, or the lean runtime
-    (:class:`xpress.runtime.LeanModel`) that a preset's target computes with."""
+    (:class:`xpress.runtime.LeanModel`) that a preset's target computes with. ``frames`` > 0 (transformers
+    only): the same two on frames of that many positions too (:func:`xpress.targets.frame_forward`, what
+    ``target.frame_rows`` runs; the context's position in its frame decides whether a verify takes one
+    frame or two)."""
     from transformers import DynamicCache
 
     from ..runtime import LeanModel
@@ -284,5 +288,26 @@ def time_target(model, shapes: Shapes, repeats: int, warmup: int, seed: int = 0)
             cache.crop(-n)  # back to the L-token prompt
         return run
 
-    return {"target step (1 token)": time_call(call(1, False), repeats, warmup, dev),
-            f"target verify ({B} tokens)": time_call(call(B, True), repeats, warmup, dev)}
+    out = {"target step (1 token)": time_call(call(1, False), repeats, warmup, dev),
+           f"target verify ({B} tokens)": time_call(call(B, True), repeats, warmup, dev)}
+    if frames:
+        from ..targets import frame_forward
+
+        layer_ids = target_layer_ids(model.config.num_hidden_layers, shapes.target_features)
+        framed = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            frame_forward(model, frames, layer_ids, ctx, framed, None, 1, False)
+
+        def framed_call(n: int, verify: bool) -> Callable[[], None]:
+            ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
+            pos = torch.arange(L, L + n, device=dev)[None]
+
+            @torch.inference_mode()
+            def run() -> None:
+                frame_forward(model, frames, layer_ids, ids, framed, pos, 0 if verify else 1, verify)
+                framed.crop(-n)
+            return run
+
+        out[f"target step (1 token, frames of {frames})"] = time_call(framed_call(1, False), repeats, warmup, dev)
+        out[f"target verify ({B} tokens, frames of {frames})"] = time_call(framed_call(B, True), repeats, warmup, dev)
+    return out
