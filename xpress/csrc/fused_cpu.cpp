@@ -327,9 +327,9 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // VDPBF16PS on 16 lanes: a panel's 16 columns x 2 features of one feature pair are one 512-bit load, the
 // row's 2 features one broadcast 32-bit word. out[m][j] is accumulated in float32 over the feature pairs in
 // order, from zero, each row by the same sequence of instructions whatever the number of rows or which block
-// it falls in: row-invariant by construction. MR rows x NP panels at a time (16 x 1, 8 x 2, 4 x 4, 2 x 4,
-// 1 x 4 accumulators). Products of several rows take 8 rows x 3 panels (24 accumulators: 11 loads for 24
-// VDPBF16PS), the first row block prefetching the next 3 panels; one row takes 4 panels (4 independent chains).
+// it falls in: row-invariant by construction. Products of several rows take blocks of 8 rows x 3 panels (24
+// accumulators: 11 loads for 24 VDPBF16PS), the first row block prefetching the next 3 panels, and the rows
+// left over in blocks of 4, 2 and 1 on the same panels; one row takes 4 panels (4 independent chains).
 // Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M's products and LM head, random weights, medians):
 // 16 rows 14.5 ms with 16 x 1 blocks, 8.7 with 8 x 3, 8.1-8.3 with the prefetch; 8 x 2, 4 x 4, 6 x 4 in between.
 template <int MR, int NP, bool PF = false>
@@ -361,8 +361,8 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + m * ldo + p * 16, acc[m][p]);
 }
 
-// Panels p0..p1-1 (NP at a time, the rest one by one) for rows m0..M-1 in blocks of MR, the last rows in
-// blocks of 8, 4, 2, 1 with four panels at a time: each group of NP panels serves every row block (from cache).
+// Panels p0..p1-1 (NP at a time, the rest one by one) for rows m0..M-1 in blocks of MR, the rows left over in
+// blocks of MR / 2, MR / 4, ..., 1 on the same panels: each group of NP panels serves every row block (from cache).
 template <int MR, int NP, bool PF = false>
 inline void dp_group(const uint16_t* xb, int64_t m0, int64_t M, int64_t K, const uint16_t* W, int64_t ps, int64_t p0,
                      int64_t p1, float* o, int64_t N) {
@@ -424,8 +424,8 @@ bool bf16_ready() {
   return amx_ready() || (dot && wide());
 }
 
-// out[M, N] = x[M, K] @ W.T for W packed by pack() (float32) or pack_bf16() (bf16, AMX); then done(p0, p1)
-// on each thread for its run of panels (whole pairs of panels where `pairs`)
+// out[M, N] = x[M, K] @ W.T for W packed by pack() (float32) or pack_bf16() (bf16: AMX tiles, else AVX512-BF16);
+// then done(p0, p1) on each thread for its run of panels (whole pairs of panels where `pairs`)
 template <class Done = NoEpilogue>
 void product(const float* x, int64_t M, int64_t K, const torch::Tensor& W, int64_t N, float* o, bool pairs = false,
              Done done = {}) {
