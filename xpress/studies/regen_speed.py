@@ -131,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(args.preset, args.overrides)
     target = load_target(cfg)
     if not available(target):  # a machine without the fused kernels has one engine: nothing to compare
-        print("skipped: the continuous engine needs the fused CPU kernels (a float32 Llama target on an AVX2 CPU); "
-              "regeneration runs the ragged batches on this machine")
+        print("skipped: the continuous engine needs the fused CPU kernels (a Llama target; float32 on AVX2, bf16 "
+              "with AMX or AVX512-BF16); regeneration runs the ragged batches on this machine")
         return 0
     result = run_regen_speed(cfg, target, args.prompts, args.repeats, args.batches, min(args.check, args.prompts),
                              progress=not args.no_progress)

@@ -234,7 +234,7 @@ def regen_engine(cfg: Config, target) -> str:
         return "continuous" if available(target) else "batched"
     if engine == "continuous" and not available(target):
         raise RegenerationError("data.regen_engine=continuous needs the lean runtime on the fused CPU kernels (a "
-                                "float32 Llama target on an AVX2 CPU); set data.regen_engine=auto or batched")
+                                "Llama target; float32 on AVX2, bf16 with AMX or AVX512-BF16); set data.regen_engine=auto or batched")
     return engine
 
 
