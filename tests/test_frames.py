@@ -42,13 +42,13 @@ def test_frames_reach_every_position_the_same_way(framed):
     """A prefill, one verify and one-token steps give the same logits and features bit for bit, and those
     equal the plain forward's to rounding (a frame's slicing is right)."""
     torch.manual_seed(0)
-    ids = torch.randint(100, 40000, (1, 45))
-    n = 13  # the new tokens cross the frame boundary at 48
+    ids = torch.randint(100, 40000, (1, 53))
+    n = 13  # positions 40..52: the verify starts inside the frame [32, 48) and crosses into [48, 64)
     outs = {}
     for how in ("verify", "steps"):
-        pre = target_forward(framed, ids[:, :32])
+        pre = target_forward(framed, ids[:, :40])
         cache = pre.cache
-        chunks = [ids[:, 32:]] if how == "verify" else [ids[:, j:j + 1] for j in range(32, 32 + n)]
+        chunks = [ids[:, 40:]] if how == "verify" else [ids[:, j:j + 1] for j in range(40, 40 + n)]
         logits, feats = [], []
         for c in chunks:
             pos = torch.arange(cache.get_seq_length(), cache.get_seq_length() + c.shape[1])[None]
@@ -57,11 +57,11 @@ def test_frames_reach_every_position_the_same_way(framed):
             logits.append(out.logits)
             feats.append(out.features)
         outs[how] = torch.cat(logits, 1), torch.cat(feats, 1)
-        assert cache.get_seq_length() == 45
+        assert cache.get_seq_length() == 53
     assert outs["verify"][0].shape == (1, n, framed.vocab_size)
     assert torch.equal(outs["verify"][0], outs["steps"][0]) and torch.equal(outs["verify"][1], outs["steps"][1])
     plain = target_forward(transformers_target(0), ids)
-    assert torch.allclose(plain.logits[:, 32:], outs["verify"][0], atol=0.15 if DTYPE == "bfloat16" else 1e-4)
+    assert torch.allclose(plain.logits[:, 40:], outs["verify"][0], atol=0.15 if DTYPE == "bfloat16" else 1e-4)
     kept = target_forward(framed, ids[:, :32], logits_to_keep=3)
     assert torch.equal(kept.logits, target_forward(framed, ids[:, :32]).logits[:, -3:])
 
