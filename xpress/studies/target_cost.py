@@ -271,43 +271,35 @@ def time_target(model, shapes: Shapes, repeats: int, warmup: int, seed: int = 0,
 
         return {"target step (1 token)": time_call(lean_call(1, False), repeats, warmup, dev),
                 f"target verify ({B} tokens)": time_call(lean_call(B, True), repeats, warmup, dev)}
+    from ..targets import frame_forward
+
     dev = next(model.parameters()).device
     ctx = torch.randint(model.config.vocab_size, (1, L), generator=g).to(dev)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    layer_ids = target_layer_ids(model.config.num_hidden_layers, shapes.target_features)
 
-    def call(n: int, verify: bool) -> Callable[[], None]:
-        ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
-        pos = torch.arange(L, L + n, device=dev)[None]
+    def plain(ids, cache, pos, verify: bool) -> None:  # the transformers forward as the decoding loop calls it
+        model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+              output_hidden_states=verify, logits_to_keep=0 if verify else 1)
 
-        @torch.inference_mode()
-        def run() -> None:
-            model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
-                  output_hidden_states=verify, logits_to_keep=0 if verify else 1)
-            cache.crop(-n)  # back to the L-token prompt
-        return run
+    def framed(ids, cache, pos, verify: bool) -> None:  # the same on frames (target.frame_rows = frames)
+        frame_forward(model, frames, layer_ids, ids, cache, pos, 0 if verify else 1, verify)
 
-    out = {"target step (1 token)": time_call(call(1, False), repeats, warmup, dev),
-           f"target verify ({B} tokens)": time_call(call(B, True), repeats, warmup, dev)}
-    if frames:
-        from ..targets import frame_forward
-
-        layer_ids = target_layer_ids(model.config.num_hidden_layers, shapes.target_features)
-        framed = DynamicCache(config=model.config)
+    def timed(forward: Callable, suffix: str) -> dict[str, dict[str, float]]:
+        cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            frame_forward(model, frames, layer_ids, ctx, framed, None, 1, False)
+            forward(ctx, cache, None, False)  # the L-token prompt
 
-        def framed_call(n: int, verify: bool) -> Callable[[], None]:
+        def call(n: int, verify: bool) -> Callable[[], None]:
             ids = torch.randint(model.config.vocab_size, (1, n), generator=g).to(dev)
             pos = torch.arange(L, L + n, device=dev)[None]
 
             @torch.inference_mode()
             def run() -> None:
-                frame_forward(model, frames, layer_ids, ids, framed, pos, 0 if verify else 1, verify)
-                framed.crop(-n)
+                forward(ids, cache, pos, verify)
+                cache.crop(-n)  # back to the L-token prompt
             return run
 
-        out[f"target step (1 token, frames of {frames})"] = time_call(framed_call(1, False), repeats, warmup, dev)
-        out[f"target verify ({B} tokens, frames of {frames})"] = time_call(framed_call(B, True), repeats, warmup, dev)
-    return out
+        return {f"target step (1 token{suffix})": time_call(call(1, False), repeats, warmup, dev),
+                f"target verify ({B} tokens{suffix})": time_call(call(B, True), repeats, warmup, dev)}
+
+    return {**timed(plain, ""), **(timed(framed, f", frames of {frames}") if frames else {})}
