@@ -75,6 +75,18 @@ def test_speculative_equals_greedy_on_frames(method, framed, prompts):
         assert generate_speculative(framed, drafter, p, MAX_NEW).token_ids == generate_ar(framed, p, MAX_NEW).token_ids
 
 
+def test_frame_rows_are_recorded(framed):
+    """The setting is part of the runtime record, so every result's provenance says whether frames ran."""
+    from xpress.runtime import runtime_choice
+    from xpress.utils import provenance
+
+    assert framed.meta["frame_rows"] == 16
+    transformers_target(0)
+    assert runtime_choice()["frame_rows"] == 0
+    transformers_target(16)
+    assert provenance("smoke")["target_runtime"]["frame_rows"] == 16
+
+
 def test_frame_rows_checks():
     with pytest.raises(ConfigError, match="frame_rows=4 is below drafter.block_size=8"):
         load_config("smoke", ["target.frame_rows=4"])

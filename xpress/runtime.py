@@ -90,7 +90,7 @@ def record_choice(choice: dict[str, Any]) -> None:
     _LAST_CHOICE.clear()
     _LAST_CHOICE.update({k: choice[k] for k in ("runtime", "dtype", "dtype_setting", "runtime_setting")},
                         kernels=choice.get("kernels"), attention=choice.get("attention"),
-                        drafter_products=choice.get("drafter_products"),
+                        drafter_products=choice.get("drafter_products"), frame_rows=choice.get("frame_rows"),
                         row_invariant=choice.get("row_invariance", {}).get("exact"),
                         cpu_features=choice.get("cpu_features"))
 
