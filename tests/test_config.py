@@ -89,39 +89,40 @@ def test_overrides_as_papermill_strings():
         load_config("smoke", '["head.max_iters=3"')
 
 
-def test_on_amx_overrides_apply_only_on_amx_and_yield_to_explicit_ones(monkeypatch, tmp_path):
+def test_on_bf16_overrides_apply_only_on_bf16_and_yield_to_explicit_ones(monkeypatch, tmp_path):
     import xpress.cpu
 
     preset = tmp_path / "p.yaml"
     preset.write_text("target: {dtype: auto, device: cpu}\ndata: {n_train_prompts: 10}\n"
-                      "on_amx: {data.n_train_prompts: 40, train: {anchors_per_seq: 8}}\n")
+                      "on_bf16: {data.n_train_prompts: 40, train: {anchors_per_seq: 8}}\n")
     monkeypatch.setattr(xpress.cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     cfg = load_config(str(preset))
-    assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq, cfg.on_amx) == (10, 16, [])
-    monkeypatch.setattr(xpress.cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "amx_bf16"}))
-    cfg = load_config(str(preset))
-    assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq) == (40, 8)
-    assert cfg.on_amx == ["data.n_train_prompts=40", "train.anchors_per_seq=8"]
+    assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq, cfg.on_bf16) == (10, 16, [])
+    for native in ("amx_bf16", "avx512_bf16"):  # tiles, or VDPBF16PS without them
+        monkeypatch.setattr(xpress.cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", native}))
+        cfg = load_config(str(preset))
+        assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq) == (40, 8)
+    assert cfg.on_bf16 == ["data.n_train_prompts=40", "train.anchors_per_seq=8"]
     cfg = load_config(str(preset), ["data.n_train_prompts=12"])  # an explicit key wins and is not recorded
-    assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq, cfg.on_amx) == (12, 8, ["train.anchors_per_seq=8"])
+    assert (cfg.data.n_train_prompts, cfg.train.anchors_per_seq, cfg.on_bf16) == (12, 8, ["train.anchors_per_seq=8"])
     for off in (["target.dtype=float32"], ["target.device=cuda"]):  # not a bf16 target on this CPU
         cfg = load_config(str(preset), off)
-        assert (cfg.data.n_train_prompts, cfg.on_amx) == (10, [])
-    with pytest.raises(ConfigError, match="on_amx records"):
-        load_config(str(preset), ["on_amx=x"])
-    preset.write_text("on_amx: [1, 2]\n")
-    with pytest.raises(ConfigError, match="on_amx must map"):
+        assert (cfg.data.n_train_prompts, cfg.on_bf16) == (10, [])
+    with pytest.raises(ConfigError, match="on_bf16 records"):
+        load_config(str(preset), ["on_bf16=x"])
+    preset.write_text("on_bf16: [1, 2]\n")
+    with pytest.raises(ConfigError, match="on_bf16 must map"):
         load_config(str(preset))
-    preset.write_text("on_amx: {train.nope: 1}\n")
+    preset.write_text("on_bf16: {train.nope: 1}\n")
     with pytest.raises(ConfigError, match="train.nope"):
         load_config(str(preset))
 
 
-def test_cpu_preset_on_amx_keeps_its_keys_valid():
+def test_cpu_preset_on_bf16_keeps_its_keys_valid():
     import yaml
 
     from xpress import paths
 
     raw = yaml.safe_load((paths.CONFIGS / "cpu.yaml").read_text())
-    assert raw["on_amx"], "the cpu preset sizes its AMX run in on_amx"
-    load_config("cpu", {k: v for k, v in raw["on_amx"].items()})  # every key exists and validates
+    assert raw["on_bf16"], "the cpu preset sizes its bf16 run in on_bf16"
+    load_config("cpu", {k: v for k, v in raw["on_bf16"].items()})  # every key exists and validates

@@ -153,10 +153,13 @@ def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):
     text = report.durations_markdown("smoke", tmp_path / "smoke")
     assert "took **26 min**" in text and "| 03_cotraining | warm start + three methods trained | 25.0 |" in text
     run = json.loads((tmp_path / "smoke" / "run.json").read_text())
-    assert run["on_amx"] == [] and "on_amx" not in text  # smoke has no AMX section
-    (tmp_path / "smoke" / "run.json").write_text(json.dumps({**run, "on_amx": ["data.n_train_prompts=40"]}))
+    assert run["on_bf16"] == [] and "on_bf16" not in text  # smoke has no on_bf16 section
+    (tmp_path / "smoke" / "run.json").write_text(json.dumps({**run, "on_bf16": ["data.n_train_prompts=40"]}))
     text = report.durations_markdown("smoke", tmp_path / "smoke")
-    assert "`on_amx` overrides applied (`data.n_train_prompts=40`)" in text and "configs/smoke.yaml" in text
+    assert "`on_bf16` overrides applied (`data.n_train_prompts=40`)" in text and "configs/smoke.yaml" in text
+    older = {k: v for k, v in run.items() if k != "on_bf16"}  # a run.json written before the rename
+    (tmp_path / "smoke" / "run.json").write_text(json.dumps({**older, "on_amx": ["data.n_train_prompts=40"]}))
+    assert "`on_bf16` overrides applied (`data.n_train_prompts=40`)" in report.durations_markdown("smoke", tmp_path / "smoke")
     pipeline.write_run_record("smoke", [], {"00_environment": {"seconds": 6.0, "git_revision": "def5678", "date": "e"}},
                               None)
     text = report.durations_markdown("smoke", tmp_path / "smoke")

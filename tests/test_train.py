@@ -544,7 +544,7 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
     row = run_lever("smoke", "train.train_sequences=2", 2, target=target, data=data, progress=False, decode_prompts=1)
     first2 = data.indices("train")[:2]
     assert row["train_sequences"] == 2 and row["block_size"] == small().drafter.block_size  # the row's own B
-    assert (row["anchors_per_seq"], row["on_amx"]) == (small().train.anchors_per_seq, [])  # and its sizes
+    assert (row["anchors_per_seq"], row["on_bf16"]) == (small().train.anchors_per_seq, [])  # and its sizes
     assert row["train_response_tokens"] == sum(len(data.input_ids[i]) - data.prompt_len[i] for i in first2)
     assert row["decode_prompts"] == 1 and row["val_tau"] >= 1 and row["ar_step_ms"] > 0 and row["round_ms"] > 0
     assert row["implied_speedup"] == pytest.approx(row["val_tau"] * row["ar_step_ms"] / row["round_ms"])

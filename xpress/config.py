@@ -3,8 +3,8 @@
 ``configs/<preset>.yaml`` is the only place a number such as the block size B, the Jacobi budget K, the
 refiner rank r, gamma or a learning rate is chosen. A preset is loaded into the dataclasses below and
 validated; overrides are ``section.key=value`` strings (command line) or a dict (papermill parameters).
-A preset's ``on_amx`` section holds overrides for a CPU with AMX-BF16 (:func:`amx_applies`); the ones
-that took effect are recorded as ``Config.on_amx``.
+A preset's ``on_bf16`` section holds overrides for a CPU that multiplies bf16 natively, with AMX-BF16 tiles
+or AVX512-BF16 (:func:`bf16_applies`); the ones that took effect are recorded as ``Config.on_bf16``.
 
     >>> cfg = load_config("smoke", ["drafter.block_size=8"])
     >>> cfg.drafter.block_size
@@ -200,10 +200,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # the preset's ``on_amx`` overrides that took effect (set by :func:`load_config`, recorded in every file
-    # that stores the config): [] where the CPU has no AMX-BF16, the target is not bf16 on the CPU, or every
-    # key was overridden explicitly
-    on_amx: list[str] = field(default_factory=list)
+    # the preset's ``on_bf16`` overrides that took effect (set by :func:`load_config`, recorded in every file
+    # that stores the config): [] where the CPU has neither AMX-BF16 nor AVX512-BF16, the target is not bf16 on
+    # the CPU, or every key was overridden explicitly
+    on_bf16: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -394,8 +394,8 @@ def default_preset(fallback: str = "cpu") -> str:
 
 def load_config(preset: str | os.PathLike | None = None,
                 overrides: Sequence[str] | Mapping[str, Any] | str | None = None) -> Config:
-    """Load ``configs/<preset>.yaml`` (or a YAML path), apply its ``on_amx`` section where
-    :func:`amx_applies`, then the overrides, and validate.
+    """Load ``configs/<preset>.yaml`` (or a YAML path), apply its ``on_bf16`` section where
+    :func:`bf16_applies`, then the overrides, and validate.
 
     An unknown preset or key raises :class:`ConfigError` naming the valid ones.
     """
@@ -408,38 +408,38 @@ def load_config(preset: str | os.PathLike | None = None,
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path} must hold a mapping of sections")
     raw = dict(raw)
-    on_amx = raw.pop("on_amx", None) or {}
-    if not isinstance(on_amx, Mapping):
-        raise ConfigError(f"{path}: on_amx must map config keys to values (e.g. data.n_train_prompts: 4000)")
-    on_amx = _flatten(on_amx)
+    on_bf16 = raw.pop("on_bf16", None) or {}
+    if not isinstance(on_bf16, Mapping):
+        raise ConfigError(f"{path}: on_bf16 must map config keys to values (e.g. data.n_train_prompts: 4000)")
+    on_bf16 = _flatten(on_bf16)
     probe = Config()
-    for k, v in on_amx.items():  # a bad key or value fails on every machine, not only on an AMX one
+    for k, v in on_bf16.items():  # a bad key or value fails on every machine, not only on a bf16 one
         _set(probe, k, v)
     given = parse_overrides(overrides)
-    if "on_amx" in given:
-        raise ConfigError("on_amx records the preset's AMX overrides and cannot be set; override their keys "
+    if "on_bf16" in given:
+        raise ConfigError("on_bf16 records the preset's bf16 overrides and cannot be set; override their keys "
                           "instead (e.g. data.n_train_prompts=2000)")
     cfg = Config()
     for k, v in _flatten(raw).items():
         _set(cfg, k, v)
     for k, v in given.items():
         _set(cfg, k, v)
-    if on_amx and amx_applies(cfg):  # after the overrides: target.dtype=float32 turns it off, and given keys win
-        taken = {k: v for k, v in on_amx.items() if k not in given}
+    if on_bf16 and bf16_applies(cfg):  # after the overrides: target.dtype=float32 turns it off, and given keys win
+        taken = {k: v for k, v in on_bf16.items() if k not in given}
         for k, v in taken.items():
             _set(cfg, k, v)
-        cfg.on_amx = [f"{k}={v}" for k, v in taken.items()]
+        cfg.on_bf16 = [f"{k}={v}" for k, v in taken.items()]
     return cfg.validate()
 
 
-def amx_applies(cfg: Config) -> bool:
-    """Whether a preset's ``on_amx`` overrides apply: a CPU target in bf16 (``auto`` or ``bfloat16``) on a CPU
-    with AMX-BF16, where the target's products, regeneration and bf16 training run on the tile unit.
+def bf16_applies(cfg: Config) -> bool:
+    """Whether a preset's ``on_bf16`` overrides apply: a CPU target in bf16 (``auto`` or ``bfloat16``) on a CPU
+    that multiplies bf16 natively (:func:`xpress.cpu.bf16_products`: AMX-BF16 tiles or AVX512-BF16), where the
+    target's products run on the fused bf16 layer and regeneration and bf16 training run 2-3x faster.
 
-    Presets are sized for a 2-core CPU without it; ``on_amx`` spends what AMX saves (e.g. more regenerated
+    Presets are sized for a 2-core CPU without them; ``on_bf16`` spends what they save (e.g. more regenerated
     data) and keeps ``make reproduce`` inside its time budget on both. Explicit overrides of the same keys win.
     """
-    from .cpu import cpu_flags
+    from .cpu import bf16_products
 
-    return (cfg.target.device == "cpu" and cfg.target.dtype in ("auto", "bfloat16")
-            and "amx_bf16" in cpu_flags())
+    return cfg.target.device == "cpu" and cfg.target.dtype in ("auto", "bfloat16") and bf16_products()

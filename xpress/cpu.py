@@ -1,7 +1,7 @@
 """What the CPU offers, from ``/proc/cpuinfo``: the one place its flags are read.
 
 Used to choose the target's dtype and kernels (:mod:`xpress.runtime`, :mod:`xpress.kernels`) and the
-preset's ``on_amx`` overrides (:mod:`xpress.config`); every provenance block records the result.
+preset's ``on_bf16`` overrides (:mod:`xpress.config`); every provenance block records the result.
 """
 from __future__ import annotations
 
@@ -17,3 +17,9 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def bf16_products() -> bool:
+    """Whether this CPU multiplies bf16 natively: AMX-BF16 tiles or AVX512-BF16 (VDPBF16PS), the two on which
+    the fused bf16 layer runs (:mod:`xpress.kernels`) and a preset's ``on_bf16`` sizes apply."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

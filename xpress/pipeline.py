@@ -117,7 +117,7 @@ def write_run_record(preset: str, overrides: Sequence[str], times: dict[str, dic
             old = {}
     record = notebook_record(times, old)
     atomic_write_json(path, {"preset": preset, "overrides": list(overrides),
-                             "on_amx": load_config(preset, list(overrides)).on_amx,
+                             "on_bf16": load_config(preset, list(overrides)).on_bf16,
                              "notebook_seconds": {r["notebook"]: r["seconds"] for r in record if r["seconds"] is not None},
                              "notebooks": record, "total_seconds": total, "partial": total is None,
                              "provenance": provenance(preset, packages=_versions())})

@@ -505,10 +505,11 @@ def durations_markdown(preset: str, folder: Path | None = None) -> str:
         head = (f"No single `make reproduce` on the {preset} preset is recorded: each notebook's last run "
                 f"(`run.json`, runs at git {', '.join(revs)}) took:")
     lines = [head, "", "| notebook | what | minutes |", "|---|---|---|", *rows]
-    if run.get("on_amx"):
-        lines += ["", f"That run's CPU has AMX-BF16, so the preset's `on_amx` overrides applied "
-                      f"({', '.join(f'`{o}`' for o in run['on_amx'])}); a CPU without AMX runs the preset's base "
-                      f"sizes (`configs/{preset}.yaml`), as `run.json` records."]
+    applied = run.get("on_bf16", run.get("on_amx"))  # on_amx: runs before the section took AVX512-BF16 too
+    if applied:
+        lines += ["", f"That run's CPU multiplies bf16 natively, so the preset's `on_bf16` overrides applied "
+                      f"({', '.join(f'`{o}`' for o in applied)}); a CPU with neither AMX-BF16 nor AVX512-BF16 "
+                      f"runs the preset's base sizes (`configs/{preset}.yaml`), as `run.json` records."]
     return "\n".join(lines) + "\n"
 
 

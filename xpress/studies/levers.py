@@ -88,7 +88,7 @@ def run_lever(preset: str, lever: str, steps: int, target=None, data=None, progr
     prompts = data.prompts("val")[:decode_prompts]
     score = decode_score(target, md, prompts, cfg.train.eval_max_new_tokens) if prompts else {}
     return {"lever": lever, "steps": steps, "block_size": cfg.drafter.block_size,  # "base" follows the preset
-            "anchors_per_seq": cfg.train.anchors_per_seq, "on_amx": cfg.on_amx,  # ... and its on_amx overrides
+            "anchors_per_seq": cfg.train.anchors_per_seq, "on_bf16": cfg.on_bf16,  # ... and its on_bf16 overrides
             **({"method": method, "init": "warmstart"} if from_warm_start else {}),
             "seconds": seconds, "s_per_step": seconds and seconds / steps, "val_tf_tau": val["tf_tau"],
             "val_tf_tau_base": val.get("tf_tau_base"), "blocks": val["blocks"], "train_sequences": len(rows),
