@@ -102,6 +102,18 @@ def test_token_table_follows_weight_updates():
     torch.testing.assert_close(ref.fold(h)(prev), ref(h, prev), atol=1e-5, rtol=1e-5)
 
 
+def test_folded_weights_follow_each_weight_alone():
+    """The folded copies (token table, W_in through W_h and W_g, the mixer) are rebuilt when any one of their
+    weights changes in place, and the fold then equals the unfolded forward again."""
+    ref = refiner()
+    h, prev = inputs()
+    for name in ("w_e.weight", "w_in.weight", "w_h.weight", "w_g.weight", "mix"):
+        ref.fold(h)
+        with torch.no_grad():
+            ref.get_parameter(name).mul_(1.5)
+        torch.testing.assert_close(ref.fold(h)(prev), ref(h, prev), atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_markov_head_reads_previous_token_only():
     head = randomize_(MarkovHead(vocab(), R), 1.0, torch.Generator().manual_seed(0))
     _, prev = inputs()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .readout import Readout
 from .vocab import DraftVocab
 
@@ -59,7 +60,7 @@ class XPressRefiner(nn.Module):
         self.w_r = nn.Linear(r, vd, bias=False)
         nn.init.zeros_(self.w_r.weight)
         self._table_key: tuple | None = None
-        self._table: torch.Tensor | None = None
+        self._table: tuple[torch.Tensor, ...] | None = None  # folded_weights()
         self.read = Readout()  # inference readout of W_r (packed copies, certified argmax)
 
     def config(self) -> dict:
@@ -73,8 +74,9 @@ class XPressRefiner(nn.Module):
         return eye + self.mix.tril(-1)
 
     def trans(self, c: torch.Tensor) -> torch.Tensor:
-        """Trans (Eq. 7): c [..., r] -> z [..., r]."""
-        return c + self.w_2(ACTIVATIONS[self.activation](self.w_1(c)))
+        """Trans (Eq. 7): c [..., r] -> z [..., r]. Without autograd on the CPU the two products take the fused
+        kernel where the target loaded it (:func:`xpress.kernels.linear`, as the drafter's layers do)."""
+        return c + kernels.linear(ACTIVATIONS[self.activation](kernels.linear(c, self.w_1.weight)), self.w_2.weight)
 
     def trans_read(self, c: torch.Tensor, packed: bool = False) -> torch.Tensor:
         """Trans then Read (Eq. 7-8): c [..., r] -> delta [..., Vd] (float32). ``packed``: the readout
@@ -101,16 +103,23 @@ class XPressRefiner(nn.Module):
         return self.trans_read(c)
 
     # ------------------------------------------------------------------------------------ inference
-    def token_table(self) -> torch.Tensor:
-        """The folded token table ``W_e`` through the token third of ``W_in``: [Vd+1, r]. Depends only
-        on the weights, so it is kept until they change (tracked by tensor identity and version)."""
-        w_e, w_in = self.w_e.weight, self.w_in.weight
-        key = (w_e.data_ptr(), w_e._version, w_in.data_ptr(), w_in._version)
+    def folded_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``W_in`` folded into its three inputs: the token table ``W_e W_in,e^T`` [Vd+1, r], ``W_in,h W_h`` and
+        ``W_in,g W_g`` [r, H]; and the mixer ``I + L`` [r, P, P]. They depend only on the weights, so they are
+        kept until one changes (tracked by tensor identity and version)."""
+        ws = (self.w_e.weight, self.w_in.weight, self.w_h.weight, self.w_g.weight, self.mix)
+        key = tuple((w.data_ptr(), w._version) for w in ws)
         if key != self._table_key:
+            r, (w_e, w_in, w_h, w_g, _) = self.rank, ws
             with torch.no_grad():
-                self._table = w_e @ w_in[:, 2 * self.rank:].T
+                self._table = (w_e @ w_in[:, 2 * r:].T, w_in[:, :r] @ w_h, w_in[:, r:2 * r] @ w_g, self.mixer())
             self._table_key = key
         return self._table
+
+    def token_table(self) -> torch.Tensor:
+        """The folded token table ``W_e`` through the token third of ``W_in``: [Vd+1, r]
+        (:meth:`folded_weights`)."""
+        return self.folded_weights()[0]
 
     @torch.no_grad()
     def fold(self, h: torch.Tensor) -> "FoldedRefiner":
@@ -119,12 +128,12 @@ class XPressRefiner(nn.Module):
         Fuse and Mix are linear, so ``c = (I+L)(u + E[x])`` splits into a token-independent part
         ``(I+L) u`` with ``u_k = W_in,h W_h h_k + W_in,g W_g g``, computed here once per block, and the
         folded token table ``E`` (:meth:`token_table`). A Jacobi pass is then a gather, one mixing
-        contraction, Trans and Read.
+        contraction, Trans and Read. ``W_in``'s two state thirds are folded into ``W_h`` and ``W_g`` too
+        (:meth:`folded_weights`), so ``u`` is two products.
         """
-        r, w_in = self.rank, self.w_in.weight
-        u = F.linear(self.w_h(h), w_in[:, :r]) + F.linear(self.w_g(h.mean(dim=1, keepdim=True)), w_in[:, r:2 * r])
-        m = self.mixer()
-        return FoldedRefiner(self, base=torch.einsum("dkj,bjd->bkd", m, u), mixer=m, table=self.token_table())
+        table, a_h, a_g, m = self.folded_weights()
+        u = kernels.linear(h, a_h) + kernels.linear(h.mean(dim=1, keepdim=True), a_g)  # [b, P, r]
+        return FoldedRefiner(self, base=torch.einsum("dkj,bjd->bkd", m, u), mixer=m, table=table)
 
 
 @dataclass
