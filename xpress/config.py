@@ -434,12 +434,12 @@ def load_config(preset: str | os.PathLike | None = None,
 
 def bf16_applies(cfg: Config) -> bool:
     """Whether a preset's ``on_bf16`` overrides apply: a CPU target in bf16 (``auto`` or ``bfloat16``) on a CPU
-    that multiplies bf16 natively (:func:`xpress.cpu.bf16_products`: AMX-BF16 tiles or AVX512-BF16), where the
+    that multiplies bf16 natively (:func:`xpress.cpu.bf16_units`: AMX-BF16 tiles or AVX512-BF16), where the
     target's products run on the fused bf16 layer and regeneration and bf16 training run 2-3x faster.
 
     Presets are sized for a 2-core CPU without them; ``on_bf16`` spends what they save (e.g. more regenerated
     data) and keeps ``make reproduce`` inside its time budget on both. Explicit overrides of the same keys win.
     """
-    from .cpu import bf16_products
+    from .cpu import bf16_units
 
-    return cfg.target.device == "cpu" and cfg.target.dtype in ("auto", "bfloat16") and bf16_products()
+    return cfg.target.device == "cpu" and cfg.target.dtype in ("auto", "bfloat16") and bf16_units()

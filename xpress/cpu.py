@@ -19,7 +19,8 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
-def bf16_products() -> bool:
+def bf16_units() -> bool:
     """Whether this CPU multiplies bf16 natively: AMX-BF16 tiles or AVX512-BF16 (VDPBF16PS), the two on which
-    the fused bf16 layer runs (:mod:`xpress.kernels`) and a preset's ``on_bf16`` sizes apply."""
+    ``target.kernels: auto`` takes the fused bf16 layer (:func:`xpress.targets.choose_kernels`) and a preset's
+    ``on_bf16`` sizes apply (:func:`xpress.config.bf16_applies`)."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

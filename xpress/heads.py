@@ -116,18 +116,13 @@ class XPressRefiner(nn.Module):
             self._table_key = key
         return self._table
 
-    def token_table(self) -> torch.Tensor:
-        """The folded token table ``W_e`` through the token third of ``W_in``: [Vd+1, r]
-        (:meth:`folded_weights`)."""
-        return self.folded_weights()[0]
-
     @torch.no_grad()
     def fold(self, h: torch.Tensor) -> "FoldedRefiner":
         """The inference operator for one batch of blocks, h [b, P, H] (paper 4.1, "Low overhead").
 
         Fuse and Mix are linear, so ``c = (I+L)(u + E[x])`` splits into a token-independent part
         ``(I+L) u`` with ``u_k = W_in,h W_h h_k + W_in,g W_g g``, computed here once per block, and the
-        folded token table ``E`` (:meth:`token_table`). A Jacobi pass is then a gather, one mixing
+        folded token table ``E`` (:meth:`folded_weights`). A Jacobi pass is then a gather, one mixing
         contraction, Trans and Read. ``W_in``'s two state thirds are folded into ``W_h`` and ``W_g`` too
         (:meth:`folded_weights`), so ``u`` is two products.
         """

@@ -326,6 +326,7 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     with AVX512-BF16 (VDPBF16PS, ``bf16_ready()``). ``fused`` requires them (float32 on any AVX2 CPU, bf16
     where either runs) and says why it cannot; ``torch`` never builds them."""
     from . import kernels as kn
+    from .cpu import bf16_units
     from .runtime import amx_fits, cpu_features
 
     if tc.kernels == "torch":
@@ -335,7 +336,7 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     feats = cpu_features()
     fits = cpu and llama and dtype in (torch.float32, torch.bfloat16)
     measured = fits and (feats["avx2"] and not feats["avx512f"] if dtype == torch.float32
-                         else feats["amx_bf16"] or feats["avx512_bf16"])
+                         else bf16_units())
     if tc.kernels == "auto" and not measured:
         return None, "torch", ("auto: the fused kernels are taken for Llama targets in float32 on AVX2 CPUs "
                                "without AVX-512 and in bf16 on CPUs with AMX-BF16 or AVX512-BF16")

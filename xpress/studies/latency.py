@@ -200,7 +200,7 @@ def build_block(shapes: Shapes, lc: LatencyConfig) -> Block:
         features = torch.randn(1, L, s.target_features * s.hidden, generator=g).to(device=dev, dtype=dtype)
         positions = torch.arange(L, device=dev)[None]
         context = drafter.encode_context(features, positions)
-        refiner.token_table()  # folded once per weights, not per block
+        refiner.folded_weights()  # folded once per weights, not per block
     anchor = torch.tensor([7], device=dev)
     return Block(s, drafter, context, lm_head, vocab, refiner, markov, anchor, torch.tensor([L], device=dev))
 
