@@ -330,9 +330,13 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // it falls in: row-invariant by construction. Products of several rows take blocks of 8 rows x 3 panels (24
 // accumulators: 11 loads for 24 VDPBF16PS), the first row block prefetching the next 3 panels, and the rows
 // left over in blocks of 4, 2 and 1 on the same panels; one row takes 4 panels (4 independent chains).
+// Products of 2-4 rows (a verify of k = 1-3 drafts) take 4 panels in blocks of up to 4 rows, a block of 4
+// prefetching each panel 4 KB ahead of its loads (PF_AHEAD).
 // Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M's products and LM head, random weights, medians):
 // 16 rows 14.5 ms with 16 x 1 blocks, 8.7 with 8 x 3, 8.1-8.3 with the prefetch; 8 x 2, 4 x 4, 6 x 4 in between.
-template <int MR, int NP, bool PF = false>
+// The 2-4 row blocks: results/cpu/avx512bf16/target_cost-* (the fused forward before and after).
+enum Prefetch { PF_NONE, PF_NEXT, PF_AHEAD };  // none; the next NP panels at the same depth; 64 pairs ahead
+template <int MR, int NP, int PF = PF_NONE>
 inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
   __m512 acc[MR][NP];
 #pragma GCC unroll 16
@@ -346,7 +350,8 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + kp * 32);
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + kp * 32), _MM_HINT_T0);
+      if constexpr (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + kp * 32), _MM_HINT_T0);
+      if constexpr (PF == PF_AHEAD) _mm_prefetch(reinterpret_cast<const char*>(w + p * ps + (kp + 64) * 32), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -363,19 +368,21 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
 
 // Panels p0..p1-1 (NP at a time, the rest one by one) for rows m0..M-1 in blocks of MR, the rows left over in
 // blocks of MR / 2, MR / 4, ..., 1 on the same panels: each group of NP panels serves every row block (from cache).
-template <int MR, int NP, bool PF = false>
+// PF: the first full block of rows on each group of panels prefetches (PF_NEXT: while there is a next group).
+template <int MR, int NP, int PF = PF_NONE>
 inline void dp_group(const uint16_t* xb, int64_t m0, int64_t M, int64_t K, const uint16_t* W, int64_t ps, int64_t p0,
                      int64_t p1, float* o, int64_t N) {
   int64_t p = p0;
   for (; p + NP <= p1; p += NP) {
     int64_t m = m0;
     for (; m + MR <= M; m += MR) {
-      if (PF && m == m0 && p + 2 * NP <= p1) dp_block<MR, NP, true>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
+      if (PF == PF_NEXT && m == m0 && p + 2 * NP <= p1) dp_block<MR, NP, PF_NEXT>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
+      else if (PF == PF_AHEAD && m == m0) dp_block<MR, NP, PF_AHEAD>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
       else dp_block<MR, NP>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
     }
     if constexpr (MR > 1) if (m < M) dp_group<MR / 2 >= 1 ? MR / 2 : 1, NP>(xb, m, M, K, W, ps, p, p + NP, o, N);
   }
-  if constexpr (NP > 1) if (p < p1) dp_group<MR, 1>(xb, m0, M, K, W, ps, p, p1, o, N);
+  if constexpr (NP > 1) if (p < p1) dp_group<MR, 1, PF == PF_AHEAD ? PF_AHEAD : PF_NONE>(xb, m0, M, K, W, ps, p, p1, o, N);
 }
 
 // out[M, N] = bf16(x[M, K]) @ W.T in float32 with VDPBF16PS, W packed by pack_bf16(); the threads take equal
@@ -388,7 +395,8 @@ void linear_bf16_dp_into(const float* x, int64_t M, int64_t K, const uint16_t* W
   const int64_t ps = K * 16;
   auto block = [&](const uint16_t* xb, int64_t p0, int64_t p1) {
     if (M == 1) dp_group<1, 4>(xb, 0, M, K, W, ps, p0, p1, o, N);
-    else dp_group<8, 3, true>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else if (M <= 4) dp_group<4, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else dp_group<8, 3, PF_NEXT>(xb, 0, M, K, W, ps, p0, p1, o, N);
   };
   bf16_panel_runs(x, M, K, N, DP_PANELS, pairs, block, [] {}, done);
 }
