@@ -412,3 +412,55 @@ def test_drafter_products_follow_the_target_onto_amx_tiles(fused):
         assert not kn.bf16_products() and back.meta["drafter_products"] == "float32"
     finally:
         kn.use_bf16_products(before)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_drafter_is_the_drafters_pytorch_forward(fused, bf16):
+    """At inference, one sequence: the drafter's context entries come from one ``draft_context`` call, bit for
+    bit what its operations one by one give (the same products, norms and RoPE in the same order), and each
+    layer of a block's forward from one ``draft_layer`` call, equal to the layer's operations to float32
+    rounding (attention and SiLU summed in the kernel's orders; with bf16 products a rounding of an input
+    may move, hence the looser bound)."""
+    from torch import nn
+
+    from xpress.drafter import DFlashConfig, DFlashDraftModel
+
+    before = kn.bf16_products()
+    if bf16 and not fused.bf16_ready():
+        pytest.skip("bf16 products need AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
+    try:
+        kn.use_bf16_products(bf16)
+        torch.manual_seed(0)
+        H, V = 128, 80
+        c = DFlashConfig(hidden_size=H, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, num_hidden_layers=2, num_target_layers=6, target_layer_ids=[1, 3, 5],
+                         vocab_size=V, block_size=4, mask_token_id=None, rope_theta=10000.0)
+        net = DFlashDraftModel(c).eval().attach(nn.Embedding(V, H), nn.Linear(H, V, bias=False))
+        randomize_(net, generator=torch.Generator().manual_seed(1))
+        feats, pos = torch.randn(1, 37, 3 * H), torch.arange(37)[None]
+        anchor, at = torch.tensor([[7]]), torch.tensor([[37]])
+        with torch.no_grad():
+            ctx = net.encode_context(feats, pos)
+            out = net(anchor, at, ctx)
+            calls = {"n": 0}
+            real = net.layers[0].fused
+
+            def counted(*a):
+                calls["n"] += 1
+                return real(*a)
+            net.layers[0].fused = counted
+            net(anchor, at, ctx)
+            del net.layers[0].fused
+            assert calls["n"] == 1  # the fused path ran
+            net._fused_context = lambda *a: None  # the operations one by one (products through the kernel)
+            for layer in net.layers:
+                layer.fused = lambda *a: None
+            ref_ctx = net.encode_context(feats, pos)
+            ref = net(anchor, at, ref_ctx)
+        for a, b in zip(ctx.keys + ctx.values, ref_ctx.keys + ref_ctx.values):
+            assert torch.equal(a, b)
+        tol = 3e-2 if bf16 else 1e-5
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        assert out.shape == (1, 1, 4, H)
+    finally:
+        kn.use_bf16_products(before)

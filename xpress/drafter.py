@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels, paths
+from .runtime import interleave_gate_up
 from .utils import atomic_save_safetensors, atomic_write_json
 
 
@@ -152,13 +153,22 @@ class RopeTable:
         """positions [b, n] int64, all >= 0 -> cos, sin [b, 1, n, d] of ``dtype``. ``end``: one past the
         largest position, where the caller knows it."""
         need = end if end is not None else int(positions.max()) + 1 if positions.numel() else 0
+        self._cover(need, dtype, positions.device)
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    def span(self, start: int, end: int, dtype: torch.dtype, device: torch.device | str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [end - start, d] of positions ``start .. end - 1`` (views of the table: no gather)."""
+        self._cover(end, dtype, device)
+        return self._cos[start:end], self._sin[start:end]
+
+    def _cover(self, need: int, dtype: torch.dtype, device: torch.device | str) -> None:
         c = self._cos
-        if c.shape[0] < need or c.dtype != dtype or c.device != positions.device:
+        if c.shape[0] < need or c.dtype != dtype or c.device != torch.device(device):
             n = max(need, 2 * c.shape[0] if c.dtype == dtype else 0, 1024)
             with torch.inference_mode(False), torch.no_grad():  # a plain constant, whatever mode builds it
-                cos, sin = rope(torch.arange(n, device=positions.device)[None], self.head_dim, self.theta, dtype)
+                cos, sin = rope(torch.arange(n, device=device)[None], self.head_dim, self.theta, dtype)
             self._cos, self._sin = cos[0, 0], sin[0, 0]
-        return self._cos[positions][:, None], self._sin[positions][:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -232,6 +242,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+              ctx_v: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`forward` for one block of n rows after a context it wholly attends (no mask), in one call of
+        the fused CPU kernel (``draft_layer`` in xpress/csrc/fused_cpu.cpp) where :func:`xpress.kernels.linear`
+        would use it: x [n, H], cos / sin [n, d], ctx_k / ctx_v [kvh, L, d] -> [n, H]; else None. The same
+        function; attention and SiLU are summed and evaluated in the kernel's orders, so values agree to float32
+        rounding, not bit for bit."""
+        at, mlp = self.self_attn, self.mlp
+        qkv = (at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
+        gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
+        mod = kernels.kernel_for(x, *qkv, at.o_proj.weight, *gate_up, mlp.down_proj.weight)
+        if mod is None or at.d % 16 or at.d > 256:
+            return None
+        return mod.draft_layer(
+            x.contiguous(), self.input_layernorm.weight, kernels.packed_copy(mod, qkv), at.q_norm.weight,
+            at.k_norm.weight, kernels.packed_copy(mod, (at.o_proj.weight,)), self.post_attention_layernorm.weight,
+            kernels.packed_copy(mod, gate_up, combine=interleave_gate_up), kernels.packed_copy(mod, (mlp.down_proj.weight,)),
+            cos.contiguous(), sin.contiguous(), ctx_k.contiguous(), ctx_v.contiguous(), at.nh, at.kvh,
+            self.input_layernorm.eps)
 
 
 # ------------------------------------------------------------------------------------------ context
@@ -329,14 +359,33 @@ class DFlashDraftModel(nn.Module):
                        valid: torch.Tensor | None = None) -> ContextCache:
         """Target features [b, L, F] at absolute ``positions`` [b, L] -> the per-layer context K/V.
         ``valid`` [b, L] bool marks real entries (default: all)."""
-        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [b, L, H]
         end = int(positions.max()) + 1 if positions.numel() else 0
         cos, sin = self._rope_table(positions, self.dtype, end)
-        kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+        kv = self._fused_context(features, cos, sin)
+        if kv is None:
+            ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [b, L, H]
+            kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
         dense = valid is None or bool(valid.all())
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         return ContextCache([k for k, _ in kv], [v for _, v in kv], positions, valid, dense, end)
+
+    def _fused_context(self, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`encode_context`'s per-layer keys and values [1, kvh, L, d] for one sequence (features [1, L, F],
+        cos / sin [1, 1, L, d]) in one call of the fused CPU kernel (``draft_context``), where
+        :func:`xpress.kernels.linear` would use it; else None. The same operations in the same order."""
+        attn = [layer.self_attn for layer in self.layers]
+        kv_weights = [(a.k_proj.weight, a.v_proj.weight) for a in attn]
+        mod = kernels.kernel_for(features, self.fc.weight, *(w for pair in kv_weights for w in pair))
+        d = self.config.head_dim
+        if mod is None or features.shape[0] != 1 or d % 16 or d > 256:
+            return None
+        out = mod.draft_context(features[0].contiguous(), kernels.packed_copy(mod, (self.fc.weight,)),
+                                self.hidden_norm.weight, [kernels.packed_copy(mod, pair) for pair in kv_weights],
+                                [a.k_norm.weight for a in attn], cos[0, 0].contiguous(), sin[0, 0].contiguous(),
+                                self.config.num_key_value_heads, self.config.rms_norm_eps)
+        return [(out[2 * i][None], out[2 * i + 1][None]) for i in range(len(attn))]
 
     def empty_context(self, batch: int, device: torch.device | str | None = None) -> ContextCache:
         """A context of length 0 for ``batch`` sequences."""
@@ -364,6 +413,10 @@ class DFlashDraftModel(nn.Module):
         """
         b, nb = anchor.shape
         B = self.block_size
+        if b == 1 and nb == 1 and context.dense and context.end <= (a := int(anchor_pos)):
+            fused = self._fused_block(anchor, a, context)  # inference's one block, where the kernel is loaded
+            if fused is not None:
+                return fused
         x = self.embed_block(anchor)  # [b, nb*B, H]
         pos = (anchor_pos[:, :, None] + torch.arange(B, device=anchor.device)).reshape(b, nb * B)
         # one block per sequence after a context that is all real and all before its anchor (inference's
@@ -375,6 +428,21 @@ class DFlashDraftModel(nn.Module):
         for layer, k, v in zip(self.layers, context.keys, context.values):
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x).view(b, nb, B, -1)
+
+    def _fused_block(self, anchor: torch.Tensor, a: int, context: ContextCache) -> torch.Tensor | None:
+        """:meth:`forward` of one block (anchor [1, 1] at position ``a``) after a context of one sequence that
+        lies wholly before it, each layer one call of the fused CPU kernel (:meth:`DecoderLayer.fused`), with
+        no gathers: [1, 1, B, H]; None where the kernel does not apply."""
+        embed, _ = self._io()
+        B, H = self.block_size, self.config.hidden_size
+        mask = self.mask_embedding if self.config.mask_token_id is None else embed.weight[self.config.mask_token_id]
+        x = torch.cat([embed.weight[anchor[0]].to(self.dtype), mask.to(self.dtype).expand(B - 1, H)])  # [B, H]
+        cos, sin = self._rope_table.span(a, a + B, self.dtype, anchor.device)  # [B, d] each
+        for layer, k, v in zip(self.layers, context.keys, context.values):
+            x = layer.fused(x, cos, sin, k[0], v[0])
+            if x is None:
+                return None
+        return self.norm(x).view(1, 1, B, -1)
 
     def base_logits(self, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
         """Base logits ``s = lm_head.weight[vocab.d2t] @ h``: hidden [..., H] -> float32 [..., Vd]

@@ -33,7 +33,7 @@ OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers:
 _state: dict[str, Any] = {}
 _packed: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 # ids of the weights (+ "bf16" for a bf16 copy) -> (the weights, their versions, their packed stack): the copies
-# that _packed_copy() keeps
+# that packed_copy() keeps
 
 
 def status() -> dict[str, Any]:
@@ -92,7 +92,7 @@ def use_bf16_products(on: bool) -> None:
     _state["bf16_products"] = bool(on)
 
 
-def _kernel_for(x: torch.Tensor, *weights: torch.Tensor):
+def kernel_for(x: torch.Tensor, *weights: torch.Tensor):
     """The loaded module where :func:`linear` may use it for ``x`` and every one of ``weights``, else None."""
     mod = _state.get("module")
     if mod is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
@@ -112,10 +112,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     each packed panel once, where the library's general kernel is tuned for larger products. The kernel is
     row-invariant (a row's output does not depend on the other rows), F.linear is not. Where the target runs
     bf16 products (:func:`use_bf16_products`), so does this, for weights over a multiple of 32 inputs."""
-    mod = _kernel_for(x, weight)
+    mod = kernel_for(x, weight)
     if mod is None:
         return F.linear(x, weight)
-    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), _packed_copy(mod, (weight,)))  # [M, N]
+    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), packed_copy(mod, (weight,)))  # [M, N]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -126,23 +126,25 @@ def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.T
     and the threads share more output panels (a drafter's 192-wide key and value products split 2:1 over
     two threads). The kernel computes each output column alone, so the results equal separate calls' bit
     for bit; they are views into one [..., sum N_i] tensor."""
-    mod = _kernel_for(x, *weights)
+    mod = kernel_for(x, *weights)
     if mod is None or len(weights) == 1:
         return tuple(linear(x, w) for w in weights)
-    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), _packed_copy(mod, weights))
+    out = mod.linear(x.reshape(-1, x.shape[-1]).contiguous(), packed_copy(mod, weights))
     return out.view(*x.shape[:-1], -1).split([w.shape[0] for w in weights], dim=-1)
 
 
-def _packed_copy(mod, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The kernel's packed copy of ``weights`` stacked along the outputs, made once and kept (weakly: it
-    goes with any of the weights) until one of them changes in place."""
+def packed_copy(mod, weights: tuple[torch.Tensor, ...], combine=None) -> torch.Tensor:
+    """The kernel's packed copy of ``weights`` stacked along the outputs (or of ``combine(*weights)``, a
+    [N, K] weight: e.g. ``xpress.runtime.interleave_gate_up``), made once and kept (weakly: it goes with any
+    of the weights) until one of them changes in place."""
     bf16 = bf16_products() and weights[0].shape[1] % 32 == 0  # the AMX tiles' depth
-    key = tuple(id(w) for w in weights) + (("bf16",) if bf16 else ())
+    key = tuple(id(w) for w in weights) + (("bf16",) if bf16 else ()) + ((id(combine),) if combine else ())
     kept = _packed.get(key)
     versions = tuple(version(w) for w in weights)
     if kept is None or any(r() is not w for r, w in zip(kept[0], weights)) or kept[1] != versions:
         refs = tuple(weakref.ref(w, lambda _, k=key: _packed.pop(k, None)) for w in weights)  # dropped with any
-        stacked = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+        stacked = (combine(*(w.detach() for w in weights)) if combine else
+                   torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach())
         kept = _packed[key] = (refs, versions, (mod.pack_bf16 if bf16 else mod.pack)(stacked.contiguous()))
     return kept[2]
 

@@ -334,7 +334,8 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // prefetching each panel 4 KB ahead of its loads (PF_AHEAD).
 // Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M's products and LM head, random weights, medians):
 // 16 rows 14.5 ms with 16 x 1 blocks, 8.7 with 8 x 3, 8.1-8.3 with the prefetch; 8 x 2, 4 x 4, 6 x 4 in between.
-// The 2-4 row blocks: results/cpu/avx512bf16/target_cost-* (the fused forward before and after).
+// The 2-4 row blocks were chosen the same way (a probe alternating builds' variants in one process; its
+// timings were not kept: between separate runs this VM's one-row step alone moves by 20-40%).
 enum Prefetch { PF_NONE, PF_NEXT, PF_AHEAD };  // none; the next NP panels at the same depth; 64 pairs ahead
 template <int MR, int NP, int PF = PF_NONE>
 inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
@@ -918,19 +919,35 @@ inline void attend_any(bool tiles, const float* qkv, int64_t Q, const float* kb,
   attend(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
 }
 
-// One decoder layer on the residual stream h [n, H] (a new tensor is returned) around two callbacks:
+// RoPE on row i's nh + nkv query and key heads (hd floats each, adjacent) with rot [n, hd / 2, 2] (cos, sin)
+// of each row's position, the q / k weight rows reordered so that each rotated pair is adjacent: (a + ib)(c + is),
+// 4 pairs at a time. Written with intrinsics: GCC 12 at -O3 turned the scalar loop into vfmaddsub (a fused
+// multiply-add) despite -ffp-contract=off.
+inline void rope_pairs(float* row, const float* r, int64_t heads, int64_t hd) {
+  for (int64_t head = 0; head < heads; ++head) {
+    float* v = row + head * hd;
+    for (int64_t j = 0; j < hd; j += 8) {  // (a c - b s, b c + a s): each product rounded, then the sum
+      const __m256 ab = _mm256_loadu_ps(v + j), cs = _mm256_loadu_ps(r + j);
+      const __m256 ac_bc = _mm256_mul_ps(ab, _mm256_moveldup_ps(cs));
+      const __m256 bs_as = _mm256_mul_ps(_mm256_permute_ps(ab, 0xB1), _mm256_movehdup_ps(cs));
+      _mm256_storeu_ps(v + j, _mm256_addsub_ps(ac_bc, bs_as));
+    }
+  }
+}
+
+// One decoder layer on the residual stream h [n, H] (a new tensor is returned) around three callbacks:
+// rotate(i, row) turns row i's projected q / k / v [Q] into what attention reads (RoPE, and any q / k norm),
 // put_kv(i, k, v) stores row i's nkv rotated keys and values (hd floats each, heads adjacent), and
 // attention(qkv, Q, att) fills att [n, nh hd] from the rows' rotated q / k / v [n, Q]. Every other step is
 // per row in a fixed order, and the products are row-invariant (linear_into).
-template <class PutKV, class Attention>
+template <class Rotate, class PutKV, class Attention>
 torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                             const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
-                            const torch::Tensor& wd, const torch::Tensor& rot, int64_t nh, int64_t nkv, int64_t hd,
-                            double eps, PutKV put_kv, Attention attention) {
+                            const torch::Tensor& wd, int64_t nh, int64_t nkv, int64_t hd, double eps,
+                            Rotate rotate, PutKV put_kv, Attention attention) {
   const int64_t n = h_in.size(0), H = h_in.size(1);
   const int64_t Q = (nh + 2 * nkv) * hd, I = wgu.size(0) * 8;
-  TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && I % 16 == 0 && rot.size(0) == n,
-              "layer: shapes");
+  TORCH_CHECK(hd % 8 == 0 && hd <= 256 && wqkv.size(0) * 16 == Q && I % 16 == 0, "layer: shapes");
   for (const torch::Tensor* t : {&wqkv, &wo, &wgu, &wd}) {
     check_weight(*t, "layer weight");
     TORCH_CHECK(t->scalar_type() == wqkv.scalar_type(), "layer: the four weights must share a dtype");
@@ -949,21 +966,9 @@ torch::Tensor decoder_layer(const torch::Tensor& h_in, const torch::Tensor& ln1,
   auto rows = [n](auto&& f) { at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) { for (int64_t i = i0; i < i1; ++i) f(i); }); };
   rows([&](int64_t i) { rms_row(hp + i * H, ln1.data_ptr<float>(), x + i * H, H, fe); });
   product(x, n, H, wqkv, Q, qkv);
-  const float* rp = rot.data_ptr<float>();
   rows([&](int64_t i) {
     float* row = qkv + i * Q;
-    const float* r = rp + i * hd;  // hd / 2 pairs (cos, sin)
-    // RoPE on q and k: (a + ib)(c + is), 4 pairs at a time. Written with intrinsics: GCC 12 at -O3 turned
-    // the scalar loop into vfmaddsub (a fused multiply-add) despite -ffp-contract=off.
-    for (int64_t head = 0; head < nh + nkv; ++head) {
-      float* v = row + head * hd;
-      for (int64_t j = 0; j < hd; j += 8) {  // (a c - b s, b c + a s): each product rounded, then the sum
-        const __m256 ab = _mm256_loadu_ps(v + j), cs = _mm256_loadu_ps(r + j);
-        const __m256 ac_bc = _mm256_mul_ps(ab, _mm256_moveldup_ps(cs));
-        const __m256 bs_as = _mm256_mul_ps(_mm256_permute_ps(ab, 0xB1), _mm256_movehdup_ps(cs));
-        _mm256_storeu_ps(v + j, _mm256_addsub_ps(ac_bc, bs_as));
-      }
-    }
+    rotate(i, row);
     put_kv(i, row + nh * hd, row + (nh + nkv) * hd);
   });
   attention(qkv, Q, att);
@@ -1080,7 +1085,10 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
       }
     });
   };
-  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, rot, nh, nkv, hd, eps, put_kv, attention);
+  TORCH_CHECK(rot.size(0) == n, "layer: shapes");
+  const float* rp = rot.data_ptr<float>();
+  auto rotate = [&](int64_t i, float* row) { rope_pairs(row, rp + i * hd, nh + nkv, hd); };
+  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, nh, nkv, hd, eps, rotate, put_kv, attention);
 }
 
 // One decoder layer for m sequences of one new token each, every sequence with its own cache row: token i
@@ -1121,7 +1129,133 @@ torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, co
       }
     });
   };
-  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, rot, nh, nkv, hd, eps, put_kv, attention);
+  TORCH_CHECK(rot.size(0) == m, "layer_rows: shapes");
+  const float* rot_p = rot.data_ptr<float>();
+  auto rotate = [&](int64_t i, float* row) { rope_pairs(row, rot_p + i * hd, nh + nkv, hd); };
+  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, nh, nkv, hd, eps, rotate, put_kv, attention);
+}
+
+// ------------------------------------------------------------------------------------- the drafter's layer
+// Attention of a drafted block's n rows for key-value head kh, every row over all the context's L columns
+// (kc / vc: that head's [L, hd]) and all n of the block's (kb / vb: [n, hd]), as the dFlash drafter attends at
+// inference (one block after a context wholly before its anchor: no mask). Same scores, softmax and value sums
+// as attend(), over the context's columns and then the block's.
+void attend_block(const float* qkv, int64_t Q, const float* kc, const float* vc, int64_t L, const float* kb,
+                  const float* vb, int64_t n, int64_t hd, int64_t kh, int64_t g, int64_t nh, float* att) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t D = hd / 8, R = n * g, width = L + n;
+  float* s = scratch<float, 1>(static_cast<size_t>(R * width));
+  float* num = scratch<float, 2>(static_cast<size_t>(R * hd));
+  std::fill(num, num + R * hd, 0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* q = qkv + (r / g) * Q + (kh * g + r % g) * hd;
+    float* sr = s + r * width;
+    scores(q, kc, hd, 0, L, scale, sr);
+    scores(q, kb, hd, 0, n, scale, sr + L);
+    const float den = softmax_numerators(sr, width);
+    value_sums<1>(sr, width, vc, hd, 0, L, num + r * hd);
+    value_sums<1>(sr + L, width, vb, hd, 0, n, num + r * hd);
+    const __m256 inv = _mm256_set1_ps(1.0f / den);
+    float* o = att + (r / g) * nh * hd + (kh * g + r % g) * hd;
+    for (int64_t d = 0; d < D; ++d) _mm256_storeu_ps(o + d * 8, _mm256_mul_ps(_mm256_loadu_ps(num + r * hd + d * 8), inv));
+  }
+}
+
+// A head of width hd (a multiple of 16, at most 256) in place: RMSNorm by w, then half-split RoPE,
+// x * cos + roll(x, hd / 2) * sin with sin's first half negated (xpress.drafter.rope / apply_rope): each
+// product rounded, then the sum, as PyTorch's two multiplications and addition.
+inline void norm_rope_half(float* v, const float* w, const float* cos, const float* sin, int64_t hd, float eps) {
+  alignas(32) float t[256];
+  rms_row(v, w, t, hd, eps);
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < hd; j += 8) {
+    const int64_t jr = j < half ? j + half : j - half;
+    _mm256_storeu_ps(v + j, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t + j), _mm256_loadu_ps(cos + j)),
+                                          _mm256_mul_ps(_mm256_loadu_ps(t + jr), _mm256_loadu_ps(sin + j))));
+  }
+}
+
+// One dFlash drafter layer (Qwen3's: q / k RMSNorm over each head before RoPE) for one block of n rows after
+// a context of L entries: h [n, H] -> the new residual stream. wqkv: [q; k; v] packed as they are (no
+// reordering: half-split RoPE, cos / sin [n, hd] with sin's first half negated, xpress.drafter.rope); qn, kn
+// [hd] the norms' weights; ctx_k / ctx_v [nkv, L, hd] the context's rotated keys and values. The block's keys
+// and values are attended, not kept. Per element the same operations as the drafter's PyTorch forward at
+// inference, except attention and SiLU (summed and evaluated in this file's orders).
+torch::Tensor draft_layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
+                          const torch::Tensor& qn, const torch::Tensor& kn, const torch::Tensor& wo,
+                          const torch::Tensor& ln2, const torch::Tensor& wgu, const torch::Tensor& wd,
+                          const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& ctx_k,
+                          const torch::Tensor& ctx_v, int64_t nh, int64_t nkv, double eps) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &qn, &kn, &cos, &sin,
+                                                                           &ctx_k, &ctx_v})
+    check(*t, "draft_layer input");  // the weights: decoder_layer
+  const int64_t n = h_in.size(0), hd = qn.numel(), L = ctx_k.size(1), g = nh / nkv;
+  TORCH_CHECK(ctx_k.dim() == 3 && ctx_k.size(0) == nkv && ctx_k.size(2) == hd && ctx_v.sizes() == ctx_k.sizes() &&
+              kn.numel() == hd && cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes() && hd % 16 == 0,
+              "draft_layer: shapes");
+  const float fe = static_cast<float>(eps);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* kb = scratch<float, 11>(static_cast<size_t>(2 * nkv * n * hd));  // the block's keys, then values: [nkv, n, hd]
+  float* vb = kb + nkv * n * hd;
+  auto rotate = [&](int64_t i, float* row) {  // per q and k head: its norm, then RoPE
+    for (int64_t head = 0; head < nh + nkv; ++head)
+      norm_rope_half(row + head * hd, (head < nh ? qn : kn).data_ptr<float>(), cp + i * hd, sp + i * hd, hd, fe);
+  };
+  auto put_kv = [&](int64_t i, const float* k, const float* v) {
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      std::copy(k + kh * hd, k + (kh + 1) * hd, kb + (kh * n + i) * hd);
+      std::copy(v + kh * hd, v + (kh + 1) * hd, vb + (kh * n + i) * hd);
+    }
+  };
+  const float *kcp = ctx_k.data_ptr<float>(), *vcp = ctx_v.data_ptr<float>();
+  auto attention = [&](const float* qkv, int64_t Q, float* att) {  // one task per key-value head
+    at::parallel_for(0, nkv, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t kh = t0; kh < t1; ++kh)
+        attend_block(qkv, Q, kcp + kh * L * hd, vcp + kh * L * hd, L, kb + kh * n * hd, vb + kh * n * hd, n, hd, kh,
+                     g, nh, att);
+    });
+  };
+  return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, nh, nkv, hd, eps, rotate, put_kv, attention);
+}
+
+// The drafter's context entries for n new target states, all its layers in one call: features [n, F] ->
+// ctx = hidden_norm(fc(features)) [n, H], then per layer l the keys (k_norm, then RoPE) and values of
+// ctx: [nkv, n, hd] each, returned as keys_0, values_0, keys_1, ... (xpress.drafter.DFlashDraftModel.
+// encode_context at inference). wkv: per layer [k; v] packed; kn: per layer the k norm's weight [hd].
+std::vector<torch::Tensor> draft_context(const torch::Tensor& features, const torch::Tensor& fc,
+                                         const torch::Tensor& hn, const std::vector<torch::Tensor>& wkv,
+                                         const std::vector<torch::Tensor>& kn, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, int64_t nkv, double eps) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&features, &hn, &cos, &sin})
+    check(*t, "draft_context input");
+  check_weight(fc, "draft_context weight");
+  const int64_t n = features.size(0), F = features.size(1), H = hn.numel(), hd = cos.size(1);
+  TORCH_CHECK(wkv.size() == kn.size() && fc.size(0) * 16 == H && cos.size(0) == n && sin.sizes() == cos.sizes() &&
+              hd % 16 == 0 && hd <= 256 && H % 8 == 0, "draft_context: shapes");
+  const float fe = static_cast<float>(eps);
+  float* x = scratch<float, 4>(static_cast<size_t>(n * H));
+  product(features.data_ptr<float>(), n, F, fc, H, x);
+  for (int64_t i = 0; i < n; ++i) rms_row(x + i * H, hn.data_ptr<float>(), x + i * H, H, fe);
+  float* kv = scratch<float, 5>(static_cast<size_t>(n * 2 * nkv * hd));
+  std::vector<torch::Tensor> out;
+  for (size_t l = 0; l < wkv.size(); ++l) {
+    check_weight(wkv[l], "draft_context weight");
+    check(kn[l], "draft_context input");
+    TORCH_CHECK(wkv[l].size(0) * 16 == 2 * nkv * hd && kn[l].numel() == hd, "draft_context: shapes");
+    product(x, n, H, wkv[l], 2 * nkv * hd, kv);
+    auto keys = torch::empty({nkv, n, hd}, features.options()), values = torch::empty({nkv, n, hd}, features.options());
+    float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t kh = 0; kh < nkv; ++kh) {
+        float* k = kv + i * 2 * nkv * hd + kh * hd;
+        norm_rope_half(k, kn[l].data_ptr<float>(), cos.data_ptr<float>() + i * hd, sin.data_ptr<float>() + i * hd, hd, fe);
+        std::copy(k, k + hd, kp + (kh * n + i) * hd);
+        std::copy(k + nkv * hd, k + (nkv + 1) * hd, vp + (kh * n + i) * hd);
+      }
+    out.push_back(keys);
+    out.push_back(values);
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------------------------- machine roof
@@ -1170,6 +1304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack() or pack_bf16()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("draft_context", &draft_context, "the dFlash drafter's context keys and values of new target states (see draft_context)");
+  m.def("draft_layer", &draft_layer, "one dFlash drafter layer for one block after its context (see draft_layer)");
   m.def("layer_rows", &layer_rows, "one Llama decoder layer for one new token of each of several cached sequences");
   m.def("parallel_threads", &parallel_threads, "threads that ran one at::parallel_for over n items");
   m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
