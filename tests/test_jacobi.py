@@ -4,7 +4,7 @@ import torch
 
 from xpress import DraftVocab, XPressRefiner, jacobi_refine, sequential_refine
 from xpress.heads import MarkovHead, randomize_
-from xpress.jacobi import corrected_logits, distribution, gumbel_noise, jacobi_step, prev_tokens
+from xpress.jacobi import corrected_logits, distribution, gumbel_noise, jacobi_refine_one, jacobi_step, prev_tokens
 
 V, VD, H, P, R = 40, 10, 16, 7, 8
 
@@ -165,6 +165,26 @@ def test_incremental_equals_dense_at_t0():
         star = sequential_refine(fn, base, anchor, vocab=vocab).tokens
         assert torch.equal(jacobi_refine(fn, base, anchor, P, vocab=vocab).tokens, star)
     assert len(seen_iters) >= 3  # blocks converged at different passes
+
+
+def test_one_block_passes_equal_the_batched_refinement():
+    """jacobi_refine_one (T=0, b = 1, inference's case: no batch bookkeeping) gives jacobi_refine's tokens and
+    iters for every K, on blocks that converge after different numbers of passes."""
+    seen = set()
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        vocab = DraftVocab.from_ids(range(V - VD, V), V)
+        ref = randomize_(XPressRefiner(vocab, H, P, R).double(), 3.0, g)
+        h = torch.randn(1, P, H, generator=g, dtype=torch.float64)
+        base = torch.randn(1, P, VD, generator=g, dtype=torch.float64)
+        anchor = torch.randint(0, V, (1,), generator=g)
+        fold = ref.fold(h)
+        for k in range(1, P + 1):
+            one = jacobi_refine_one(lambda prev: fold.choose(prev, base), base, anchor, k, vocab=vocab)
+            batched = jacobi_refine(corrected_logits(base, fold), base, anchor, k, vocab=vocab)
+            assert torch.equal(one.tokens, batched.tokens) and torch.equal(one.iters, batched.iters), (seed, k)
+            seen.add(int(one.iters))
+    assert len(seen) >= 3
 
 
 def test_incremental_equals_dense_at_t_positive():

@@ -184,6 +184,26 @@ def jacobi_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.
     return RefineResult(y, q, iters, trajectory)
 
 
+def jacobi_refine_one(choose: Callable[[torch.Tensor], torch.Tensor], base_logits: torch.Tensor,
+                      anchor: torch.Tensor, max_iters: int, *, vocab: DraftVocab | None = None) -> RefineResult:
+    """:func:`jacobi_refine` at T=0 for a single block (b = 1, inference's case) in dense passes without the
+    batch's bookkeeping (active set, per-block starts, gathered rows): the same tokens and ``iters`` (those of
+    the dense algorithm, which the incremental one equals) in far fewer operations, which matters where each
+    costs more than its arithmetic (a round's refinement runs with caches cold from the verify).
+
+    choose(prev [1, P] target ids) -> [1, P] draft ids: the argmax of the corrected logits of the whole block
+    (a head fold's ``choose`` with the block's base logits); base_logits [1, P, Vd]; anchor [1]."""
+    y = argmax_last(base_logits)  # [1, P]: Y^(0), the drafter's own choice
+    passes = 0
+    for _ in range(min(max_iters, y.shape[1])):
+        passes += 1
+        new = choose(prev_tokens(anchor, y, vocab))
+        if torch.equal(new, y):  # a pass that changes nothing: the fixed point
+            break
+        y = new
+    return RefineResult(y, None, torch.full((1,), passes, dtype=torch.int64, device=y.device))
+
+
 def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor, active: torch.Tensor,
                       start: torch.Tensor, temperature: float, noise: torch.Tensor | None,
                       drawn_from: torch.Tensor | None, vocab: DraftVocab | None) -> torch.Tensor:

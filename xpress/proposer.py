@@ -24,8 +24,8 @@ import torch
 from . import paths
 from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
 from .heads import MarkovHead, XPressRefiner
-from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, select,
-                     sequential_refine)
+from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, jacobi_refine_one,
+                     select, sequential_refine)
 from .protocol import Draft
 from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
 from .vocab import DraftVocab
@@ -141,6 +141,9 @@ class ModelDrafter:
         logits_fn = corrected_logits(base, correction)
         if self.method == "markov" or self.refine == "sequential":
             return sequential_refine(logits_fn, base, anchor, temperature, noise=noise, vocab=self.vocab)
+        if noise is None and b == 1:  # T=0, one block: the same passes without the batch's bookkeeping
+            return jacobi_refine_one(lambda prev: correction.choose(prev, base), base, anchor,
+                                     min(self.max_iters, k), vocab=self.vocab)
         return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, noise=noise,
                              vocab=self.vocab)
 
