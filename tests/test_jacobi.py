@@ -1,5 +1,7 @@
 import itertools
 
+import pytest
+
 import torch
 
 from xpress import DraftVocab, XPressRefiner, jacobi_refine, sequential_refine
@@ -125,7 +127,7 @@ def test_argmax_last_is_argmax_exactly():
     from xpress.jacobi import argmax_last
 
     g = torch.Generator().manual_seed(0)
-    for v in (5, 1024, 1000 + 37, 151936 // 16):
+    for v in (5, 1024, 1000 + 37, 151936 // 16, 16384 + 37, 151936):  # the chunked path from 16384
         x = torch.randint(0, 4, (3, 6, v), generator=g).float()  # many ties: the first index must win
         assert torch.equal(argmax_last(x), x.argmax(-1))
         assert torch.equal(argmax_last(x[0].double()), x[0].double().argmax(-1))
@@ -167,9 +169,10 @@ def test_incremental_equals_dense_at_t0():
     assert len(seen_iters) >= 3  # blocks converged at different passes
 
 
-def test_one_block_passes_equal_the_batched_refinement():
-    """jacobi_refine_one (T=0, b = 1, inference's case: no batch bookkeeping) gives jacobi_refine's tokens and
-    iters for every K, on blocks that converge after different numbers of passes."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_block_passes_equal_the_batched_refinement(temperature):
+    """jacobi_refine_one (b = 1, inference's case: no batch bookkeeping) gives jacobi_refine's tokens, iters
+    and (T>0, the same noise) q for every K, on blocks that converge after different numbers of passes."""
     seen = set()
     for seed in range(12):
         g = torch.Generator().manual_seed(seed)
@@ -179,12 +182,20 @@ def test_one_block_passes_equal_the_batched_refinement():
         base = torch.randn(1, P, VD, generator=g, dtype=torch.float64)
         anchor = torch.randint(0, V, (1,), generator=g)
         fold = ref.fold(h)
+        noise = gumbel_noise((1, P, VD), g).double() if temperature else None
         for k in range(1, P + 1):
-            one = jacobi_refine_one(lambda prev: fold.choose(prev, base), base, anchor, k, vocab=vocab)
-            batched = jacobi_refine(corrected_logits(base, fold), base, anchor, k, vocab=vocab)
+            one = jacobi_refine_one(fold, base, anchor, k, temperature, noise, vocab=vocab)
+            batched = jacobi_refine(corrected_logits(base, fold), base, anchor, k, temperature, noise=noise,
+                                    vocab=vocab)
             assert torch.equal(one.tokens, batched.tokens) and torch.equal(one.iters, batched.iters), (seed, k)
+            if temperature:
+                torch.testing.assert_close(one.q, batched.q)
+            else:
+                assert one.q is None and batched.q is None
             seen.add(int(one.iters))
     assert len(seen) >= 3
+    with pytest.raises(ValueError, match="at least one pass"):
+        jacobi_refine_one(fold, base, anchor, 0, vocab=vocab)
 
 
 def test_incremental_equals_dense_at_t_positive():

@@ -184,24 +184,36 @@ def jacobi_refine(logits_fn: LogitsFn, base_logits: torch.Tensor, anchor: torch.
     return RefineResult(y, q, iters, trajectory)
 
 
-def jacobi_refine_one(choose: Callable[[torch.Tensor], torch.Tensor], base_logits: torch.Tensor,
-                      anchor: torch.Tensor, max_iters: int, *, vocab: DraftVocab | None = None) -> RefineResult:
-    """:func:`jacobi_refine` at T=0 for a single block (b = 1, inference's case) in dense passes without the
-    batch's bookkeeping (active set, per-block starts, gathered rows): the same tokens and ``iters`` (those of
+def jacobi_refine_one(correction, base_logits: torch.Tensor, anchor: torch.Tensor, max_iters: int,
+                      temperature: float = 0.0, noise: torch.Tensor | None = None, *,
+                      vocab: DraftVocab | None = None) -> RefineResult:
+    """:func:`jacobi_refine` for a single block (b = 1, inference's case) in dense passes without the batch's
+    bookkeeping (active set, per-block starts, gathered rows): the same tokens, ``iters`` and ``q`` (those of
     the dense algorithm, which the incremental one equals) in far fewer operations, which matters where each
     costs more than its arithmetic (a round's refinement runs with caches cold from the verify).
 
-    choose(prev [1, P] target ids) -> [1, P] draft ids: the argmax of the corrected logits of the whole block
-    (a head fold's ``choose`` with the block's base logits); base_logits [1, P, Vd]; anchor [1]."""
-    y = argmax_last(base_logits)  # [1, P]: Y^(0), the drafter's own choice
-    passes = 0
+    correction: a head's fold for this block (``XPressRefiner.fold(h)``): ``choose(prev, base)`` the T=0
+    tokens, ``correction(prev)`` the delta [1, P, Vd]; prev [1, P] target ids. base_logits [1, P, Vd];
+    anchor [1]; noise [1, P, Vd] (T>0; the block's). ``max_iters`` >= 1. ``q`` is the softmax of the last
+    pass's logits: every token of that pass was drawn from them (a pass that changes nothing, or the last
+    one allowed)."""
+    if max_iters < 1:
+        raise ValueError(f"max_iters={max_iters}: the one-block refinement needs at least one pass")
+    y = select(base_logits, temperature, noise)  # [1, P]: Y^(0), the drafter's own choice
+    logits, passes = None, 0
     for _ in range(min(max_iters, y.shape[1])):
         passes += 1
-        new = choose(prev_tokens(anchor, y, vocab))
+        prev = prev_tokens(anchor, y, vocab)
+        if noise is None or temperature <= 0:
+            new = correction.choose(prev, base_logits)
+        else:
+            logits = correction(prev).add_(base_logits)  # [1, P, Vd]
+            new = select(logits, temperature, noise)
         if torch.equal(new, y):  # a pass that changes nothing: the fixed point
             break
         y = new
-    return RefineResult(y, None, torch.full((1,), passes, dtype=torch.int64, device=y.device))
+    q = None if logits is None else distribution(logits, temperature)
+    return RefineResult(y, q, torch.full((1,), passes, dtype=torch.int64, device=y.device))
 
 
 def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor, active: torch.Tensor,

@@ -141,9 +141,9 @@ class ModelDrafter:
         logits_fn = corrected_logits(base, correction)
         if self.method == "markov" or self.refine == "sequential":
             return sequential_refine(logits_fn, base, anchor, temperature, noise=noise, vocab=self.vocab)
-        if noise is None and b == 1:  # T=0, one block: the same passes without the batch's bookkeeping
-            return jacobi_refine_one(lambda prev: correction.choose(prev, base), base, anchor,
-                                     min(self.max_iters, k), vocab=self.vocab)
+        if b == 1 and min(self.max_iters, k) >= 1:  # one block: the same passes without the batch's bookkeeping
+            return jacobi_refine_one(correction, base, anchor, min(self.max_iters, k), temperature, noise,
+                                     vocab=self.vocab)
         return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, noise=noise,
                              vocab=self.vocab)
 

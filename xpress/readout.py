@@ -50,11 +50,12 @@ ADD_SLACK = 2.0 ** -18  # per |max a|: covers the float32 additions of ``s``
 def argmax_last(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     """``x.argmax(-1)``, exactly (first index on ties, NaN counts as the maximum): x [..., V] -> [...] int64.
 
-    On the CPU a long last dimension is reduced in two stages, the maxima of ``chunk``-wide slices (a
-    vectorised ``amax``), then the first slice holding the overall maximum and the first index inside it;
-    several times faster than ``argmax`` over a 150k vocabulary. Elsewhere, ``argmax`` itself."""
+    On the CPU a long last dimension (from 64 slices: 16k entries, where the two cost about the same on two
+    cores) is reduced in two stages, the maxima of ``chunk``-wide slices (a vectorised ``amax``), then the
+    first slice holding the overall maximum and the first index inside it; several times faster than
+    ``argmax`` over a 150k vocabulary. Elsewhere, ``argmax`` itself (one operation instead of a dozen)."""
     v = x.shape[-1]
-    if x.device.type != "cpu" or v < 4 * chunk or x.dtype not in (torch.float32, torch.float64):
+    if x.device.type != "cpu" or v < 64 * chunk or x.dtype not in (torch.float32, torch.float64):
         return x.argmax(-1)
     peaks = slice_maxima(x, chunk)  # [..., n]
     first = peaks.argmax(-1, keepdim=True) * chunk  # [..., 1]: start of the first slice holding the maximum
