@@ -19,6 +19,9 @@
 //   in one fixed order; exp is a polynomial evaluated the same way in every lane (exp8).
 // Compiled with -ffp-contract=off so that the compiler fuses nothing the source does not.
 //
+// The dFlash drafter's layers at inference (draft_layer, draft_context: one block of one sequence) use the
+// same frame and products; they propose tokens that the target verifies, so they need no row invariance.
+//
 // Shapes: n rows (tokens), H hidden, I intermediate, nh / nkv query / key-value heads of width hd,
 // g = nh / nkv; weights packed by pack(): [N / 16, K, 16] for a [N, K] nn.Linear weight (float32), or by
 // pack_bf16(): [N / 16, K / 2, 16, 2] (bf16). The MLP's gate and up weights come as one [2 I, H] weight whose
