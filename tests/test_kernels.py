@@ -464,3 +464,45 @@ def test_fused_drafter_is_the_drafters_pytorch_forward(fused, bf16):
         assert out.shape == (1, 1, 4, H)
     finally:
         kn.use_bf16_products(before)
+
+
+def test_fused_xpress_fold_and_pass_are_the_heads_operations(fused):
+    """For one block, XPressRefiner.fold takes one ``refine_fold`` call and FoldedRefiner.choose one
+    ``refine_pass`` call a Jacobi pass: the mixed token-independent part equals the PyTorch fold's to float32
+    rounding, and each pass's tokens equal the argmax of the PyTorch readout (random weights; logits far
+    from ties at float32 resolution), also for a block's first k positions; a batch keeps the PyTorch path."""
+    from xpress import DraftVocab, XPressRefiner
+
+    before = kn.bf16_products()
+    try:
+        kn.use_bf16_products(False)
+        g = torch.Generator().manual_seed(3)
+        vocab = DraftVocab.from_ids(range(100, 612), 1000)
+        ref = randomize_(XPressRefiner(vocab, 64, 7, 32), 2.0, g).eval()
+        with torch.no_grad():
+            for seed in range(8):
+                h = torch.randn(1, 7, 64, generator=g)
+                base = torch.randn(1, 7, vocab.size, generator=g)
+                prev = torch.randint(0, 1000, (1, 7), generator=g)
+                fold = ref.fold(h)
+                table, a_h, a_g, m = ref.folded_weights()
+                u = h @ a_h.T + h.mean(dim=1, keepdim=True) @ a_g.T
+                torch.testing.assert_close(fold.base, torch.einsum("dkj,bjd->bkd", m, u), rtol=1e-5, atol=1e-5)
+                for op, b in ((fold, base), (fold.first(3), base[:, :3])):
+                    p = prev[:, :b.shape[1]]
+                    calls = {"n": 0}
+                    real = op._fused_pass
+
+                    def counted(*a):
+                        calls["n"] += 1
+                        return real(*a)
+                    op._fused_pass = counted
+                    tokens = op.choose(p, b)
+                    assert calls["n"] == 1 and tokens.shape == p.shape
+                    logits = b + ref.w_r(op.latent(p))  # latent: after Trans
+                    assert torch.equal(tokens, logits.argmax(-1)), seed
+            two = ref.fold(torch.randn(2, 7, 64, generator=g))  # a batch of blocks: the PyTorch operations
+            two._fused_pass = None  # would raise if called
+            assert two.choose(prev.expand(2, -1), base.expand(2, -1, -1)).shape == (2, 7)
+    finally:
+        kn.use_bf16_products(before)

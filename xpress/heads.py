@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .readout import Readout
+from .readout import FAST_MIN_VOCAB, Readout
 from .vocab import DraftVocab
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -124,11 +124,19 @@ class XPressRefiner(nn.Module):
         ``(I+L) u`` with ``u_k = W_in,h W_h h_k + W_in,g W_g g``, computed here once per block, and the
         folded token table ``E`` (:meth:`folded_weights`). A Jacobi pass is then a gather, one mixing
         contraction, Trans and Read. ``W_in``'s two state thirds are folded into ``W_h`` and ``W_g`` too
-        (:meth:`folded_weights`), so ``u`` is two products.
+        (:meth:`folded_weights`), so ``u`` is two products. For one block (b = 1) where the head's products
+        take the fused CPU kernel, ``refine_fold`` computes it in one call (the same function to float32
+        rounding: its mean and mixing sum in order).
         """
         table, a_h, a_g, m = self.folded_weights()
-        u = kernels.linear(h, a_h) + kernels.linear(h.mean(dim=1, keepdim=True), a_g)  # [b, P, r]
-        return FoldedRefiner(self, base=torch.einsum("dkj,bjd->bkd", m, u), mixer=m, table=table)
+        mod = kernels.kernel_for(h, a_h, a_g) if h.shape[0] == 1 else None
+        if mod is not None and self.rank % 16 == 0:  # one block: one call of the fused kernel (refine_fold)
+            base = mod.refine_fold(h[0].contiguous(), kernels.packed_copy(mod, (a_h,)),
+                                   kernels.packed_copy(mod, (a_g,)), m)[None]
+        else:
+            u = kernels.linear(h, a_h) + kernels.linear(h.mean(dim=1, keepdim=True), a_g)  # [b, P, r]
+            base = torch.einsum("dkj,bjd->bkd", m, u)
+        return FoldedRefiner(self, base=base, mixer=m, table=table)
 
 
 @dataclass
@@ -172,8 +180,31 @@ class FoldedRefiner:
     def choose(self, prev: torch.Tensor, base: torch.Tensor, rows: torch.Tensor | None = None,
                k: int | None = None, lo: int = 0) -> torch.Tensor:
         """The argmax of ``base + delta`` (T=0) without materialising float32 logits where the certified
-        readout applies (:mod:`xpress.readout`): base [n, P-lo, Vd] or [n, Vd] -> tokens [n, P-lo] or [n]."""
+        readout applies (:mod:`xpress.readout`): base [n, P-lo, Vd] or [n, Vd] -> tokens [n, P-lo] or [n].
+        A whole block of one sequence takes one call of the fused CPU kernel where it applies
+        (:meth:`_fused_pass`)."""
+        if rows is None and k is None and lo == 0 and prev.shape[0] == 1:
+            tokens = self._fused_pass(prev, base)
+            if tokens is not None:
+                return tokens
         return self.head.read.argmax(self.head.w_r.weight, self.latent(prev, rows, k, lo), base)
+
+    def _fused_pass(self, prev: torch.Tensor, base: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`choose` for one block (prev [1, P] target ids, base [1, P, Vd]) in one call of the fused CPU
+        kernel (``refine_pass`` in xpress/csrc/fused_cpu.cpp: gather, Mix, Trans, Read and the argmax) where
+        :func:`xpress.kernels.linear` would run the head's products, with SiLU and a vocabulary below the
+        certified readout's; else None. The same function to float32 rounding (its mixing sums and SiLU are
+        the kernel's)."""
+        head = self.head
+        w_1, w_2, w_r = head.w_1.weight, head.w_2.weight, head.w_r.weight
+        mod = kernels.kernel_for(base, w_1, w_2, w_r)
+        if mod is None or head.activation != "silu" or head.rank % 16 or (
+                head.read.fast is not False and w_r.shape[0] >= FAST_MIN_VOCAB):
+            return None
+        idx = head.vocab.input_index(prev[0])  # [P] rows of the folded table
+        return mod.refine_pass(idx.contiguous(), self.base[0].contiguous(), self.mixer.contiguous(), self.table,
+                               kernels.packed_copy(mod, (w_1,)), kernels.packed_copy(mod, (w_2,)),
+                               kernels.packed_copy(mod, (w_r,)), base[0].contiguous())[None]
 
 
 class MarkovHead(nn.Module):

@@ -1261,6 +1261,102 @@ std::vector<torch::Tensor> draft_context(const torch::Tensor& features, const to
   return out;
 }
 
+// ------------------------------------------------------------------------------------- the xPress refiner
+// One T=0 Jacobi pass of the folded xPress refiner over the first k positions of one block
+// (xpress.heads.FoldedRefiner.choose): for position i, with e_j = table[idx[j]] (the previous tokens' folded
+// embeddings, [r] each),
+//   c_i = u_i + sum_{j < k} mixer[:, i, j] * e_j      (Mix; the mixer [r, P, P] is I + L, zero above i)
+//   z_i = c_i + W2 silu(W1 c_i)                       (Trans)
+//   token_i = argmax_v (base[i][v] + (W_r z_i)_v)      (Read, the first index on ties)
+// u [k, r]: the block's mixed token-independent part; w1 / w2 / wr packed [2r, r] / [r, 2r] / [Vd, r]; base
+// [k, Vd]. Returns tokens [k] int64. The products are linear()'s; the mixing sums j in order and SiLU is this
+// file's, so logits agree with the PyTorch pass to float32 rounding, not bit for bit.
+torch::Tensor refine_pass(const torch::Tensor& idx, const torch::Tensor& u, const torch::Tensor& mixer,
+                          const torch::Tensor& table, const torch::Tensor& w1, const torch::Tensor& w2,
+                          const torch::Tensor& wr, const torch::Tensor& base) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&u, &mixer, &table, &base})
+    check(*t, "refine_pass input");
+  for (const torch::Tensor* t : {&w1, &w2, &wr}) check_weight(*t, "refine_pass weight");
+  const int64_t k = u.size(0), r = u.size(1), P = mixer.size(1), V = base.size(1), rows = table.size(0);
+  TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous() && idx.numel() == k && mixer.dim() == 3 &&
+              mixer.size(0) == r && mixer.size(2) == P && k <= P && table.size(1) == r && base.size(0) == k &&
+              w1.size(0) * 16 == 2 * r && w2.size(0) * 16 == r && wr.size(0) * 16 == V && r % 16 == 0,
+              "refine_pass: shapes");
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < rows, "refine_pass: an index out of range");
+  const float *up = u.data_ptr<float>(), *mp = mixer.data_ptr<float>(), *tp = table.data_ptr<float>();
+  float* c = scratch<float, 12>(static_cast<size_t>(k * r));
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t d = 0; d < r; ++d) {
+      float acc = up[i * r + d];
+      const float* m = mp + (d * P + i) * P;
+      for (int64_t j = 0; j < k; ++j) acc += m[j] * tp[ip[j] * r + d];
+      c[i * r + d] = acc;
+    }
+  float* h = scratch<float, 13>(static_cast<size_t>(k * 2 * r));
+  product(c, k, r, w1, 2 * r, h);
+  float* a = scratch<float, 14>(static_cast<size_t>(k * 2 * r));
+  for (int64_t j = 0; j < k * 2 * r; j += 8) {
+    const __m256 g = _mm256_loadu_ps(h + j);
+    const __m256 en = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(a + j, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), en)));
+  }
+  float* z = scratch<float, 15>(static_cast<size_t>(k * r));
+  product(a, k, 2 * r, w2, r, z);
+  for (int64_t j = 0; j < k * r; ++j) z[j] += c[j];
+  float* logits = scratch<float, 16>(static_cast<size_t>(k * V));
+  product(z, k, r, wr, V, logits);
+  auto tokens = torch::empty({k}, idx.options());
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const float* bp = base.data_ptr<float>();
+  for (int64_t i = 0; i < k; ++i) {
+    int64_t best = 0;
+    float top = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      const float x = logits[i * V + v] + bp[i * V + v];
+      if (x > top || (std::isnan(x) && !std::isnan(top))) { top = x; best = v; }
+    }
+    out[i] = best;
+  }
+  return tokens;
+}
+
+// The folded xPress refiner's token-independent part for one block (xpress.heads.XPressRefiner.fold): with
+// s_j = A_h h_j + A_g mean(h) for the block's P drafter states h [P, H] (A_h, A_g packed [r, H]),
+// u_i = sum_j mixer[:, i, j] * s_j, [P, r]. The mean sums the rows in order; the mixing sums j in order.
+torch::Tensor refine_fold(const torch::Tensor& h, const torch::Tensor& a_h, const torch::Tensor& a_g,
+                          const torch::Tensor& mixer) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h, &mixer}) check(*t, "refine_fold input");
+  for (const torch::Tensor* t : {&a_h, &a_g}) check_weight(*t, "refine_fold weight");
+  const int64_t P = h.size(0), H = h.size(1), r = mixer.size(0);
+  TORCH_CHECK(mixer.dim() == 3 && mixer.size(1) == P && mixer.size(2) == P && a_h.size(0) * 16 == r &&
+              a_g.size(0) * 16 == r && H % 8 == 0, "refine_fold: shapes");
+  const float* hp = h.data_ptr<float>();
+  float* mean = scratch<float, 12>(static_cast<size_t>(H));
+  for (int64_t d = 0; d < H; ++d) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < P; ++j) acc += hp[j * H + d];
+    mean[d] = acc / static_cast<float>(P);
+  }
+  float* sv = scratch<float, 13>(static_cast<size_t>(P * r));
+  float* g = scratch<float, 14>(static_cast<size_t>(r));
+  product(hp, P, H, a_h, r, sv);
+  product(mean, 1, H, a_g, r, g);
+  for (int64_t j = 0; j < P; ++j)
+    for (int64_t d = 0; d < r; ++d) sv[j * r + d] += g[d];
+  auto u = torch::empty({P, r}, h.options());
+  float* up = u.data_ptr<float>();
+  const float* mp = mixer.data_ptr<float>();
+  for (int64_t i = 0; i < P; ++i)
+    for (int64_t d = 0; d < r; ++d) {
+      const float* m = mp + (d * P + i) * P;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < P; ++j) acc += m[j] * sv[j * r + d];
+      up[i * r + d] = acc;
+    }
+  return u;
+}
+
 // ------------------------------------------------------------------------------------- machine roof
 // Float32 multiply-adds per second that every thread together sustains on twelve independent FMA chains
 // held in registers (no memory traffic): the arithmetic roof of linear(), which no float32 product exceeds.
@@ -1307,6 +1403,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack() or pack_bf16()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("refine_fold", &refine_fold, "the folded xPress refiner's token-independent part for one block (see refine_fold)");
+  m.def("refine_pass", &refine_pass, "one T=0 Jacobi pass of the folded xPress refiner over one block (see refine_pass)");
   m.def("draft_context", &draft_context, "the dFlash drafter's context keys and values of new target states (see draft_context)");
   m.def("draft_layer", &draft_layer, "one dFlash drafter layer for one block after its context (see draft_layer)");
   m.def("layer_rows", &layer_rows, "one Llama decoder layer for one new token of each of several cached sequences");
