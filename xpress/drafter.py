@@ -253,13 +253,15 @@ class DecoderLayer(nn.Module):
         at, mlp = self.self_attn, self.mlp
         qkv = (at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
         gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
-        mod = kernels.kernel_for(x, *qkv, at.o_proj.weight, *gate_up, mlp.down_proj.weight)
-        if mod is None or at.d % 16 or at.d > 256:
+        o, down = at.o_proj.weight, mlp.down_proj.weight
+        mod = kernels.kernel_for(x, *qkv, o, *gate_up, down)
+        mixed = kernels.bf16_products() and any(w.shape[1] % 32 for w in (qkv[0], o, down))  # bf16 and float32
+        if mod is None or mixed or at.d % 16 or at.d > 256:  # (the kernel's four products share one dtype)
             return None
         return mod.draft_layer(
             x.contiguous(), self.input_layernorm.weight, kernels.packed_copy(mod, qkv), at.q_norm.weight,
-            at.k_norm.weight, kernels.packed_copy(mod, (at.o_proj.weight,)), self.post_attention_layernorm.weight,
-            kernels.packed_copy(mod, gate_up, combine=interleave_gate_up), kernels.packed_copy(mod, (mlp.down_proj.weight,)),
+            at.k_norm.weight, kernels.packed_copy(mod, (o,)), self.post_attention_layernorm.weight,
+            kernels.packed_copy(mod, gate_up, combine=interleave_gate_up), kernels.packed_copy(mod, (down,)),
             cos.contiguous(), sin.contiguous(), ctx_k.contiguous(), ctx_v.contiguous(), at.nh, at.kvh,
             self.input_layernorm.eps)
 
