@@ -506,3 +506,29 @@ def test_fused_xpress_fold_and_pass_are_the_heads_operations(fused):
             assert two.choose(prev.expand(2, -1), base.expand(2, -1, -1)).shape == (2, 7)
     finally:
         kn.use_bf16_products(before)
+
+
+def test_fused_markov_steps_are_the_sequential_decode(fused):
+    """For one block at T=0 the Markov head's k dependent steps take one ``markov_steps`` call: the tokens
+    of sequential_refine with the head's own readout (anchors inside and outside the draft vocabulary)."""
+    from xpress import DraftVocab
+    from xpress.heads import MarkovHead
+    from xpress.jacobi import corrected_logits, sequential_refine
+
+    before = kn.bf16_products()
+    try:
+        kn.use_bf16_products(False)
+        g = torch.Generator().manual_seed(4)
+        vocab = DraftVocab.from_ids(range(100, 612), 1000)
+        head = randomize_(MarkovHead(vocab, 32), 2.0, g).eval()
+        with torch.no_grad():
+            for anchor in (torch.tensor([150]), torch.tensor([7])):  # in, out of the draft vocabulary
+                for k in (1, 3, 7):
+                    base = torch.randn(1, k, vocab.size, generator=g)
+                    fold = head.fold()
+                    tokens = fold.steps(anchor, base)
+                    ref = sequential_refine(corrected_logits(base, fold), base, anchor, vocab=vocab).tokens
+                    assert tokens is not None and torch.equal(tokens, ref), (anchor, k)
+            assert head.fold().steps(torch.tensor([1, 2]), torch.randn(2, 3, vocab.size)) is None  # a batch
+    finally:
+        kn.use_bf16_products(before)

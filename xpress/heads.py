@@ -271,6 +271,20 @@ class MarkovCorrection:
                k: int | None = None, lo: int = 0) -> torch.Tensor:
         return self.head.choose(prev, base, rows, k, lo)
 
+    def steps(self, anchor: torch.Tensor, base: torch.Tensor) -> torch.Tensor | None:
+        """The T=0 sequential decode of one block (anchor [1] target id, base [1, k, Vd]) -> tokens [1, k] draft
+        ids, in one call of the fused CPU kernel (``markov_steps``: each step's readout and argmax) where
+        :func:`xpress.kernels.linear` would run the head's readout, below the certified readout's vocabularies;
+        else None. The same readout products as :meth:`MarkovHead.choose` on the kernel."""
+        head = self.head
+        w_1, w_2 = head.w_1.weight, head.w_2.weight
+        mod = kernels.kernel_for(base, w_2)
+        if mod is None or base.shape[0] != 1 or w_1.dtype != torch.float32 or (
+                head.read.fast is not False and w_2.shape[0] >= FAST_MIN_VOCAB):
+            return None
+        row = int(head.vocab.input_index(anchor)[0])  # the anchor's row of W1
+        return mod.markov_steps(row, w_1, kernels.packed_copy(mod, (w_2,)), base[0].contiguous())[None]
+
 
 # ------------------------------------------------------------------------------------------ analysis
 def dependency_matrices(refiner: XPressRefiner, h: torch.Tensor, prev: torch.Tensor

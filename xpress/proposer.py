@@ -136,6 +136,10 @@ class ModelDrafter:
             iters = torch.zeros(b, dtype=torch.int64, device=base.device)
             return RefineResult(select(base, temperature, noise), q, iters)
         correction = self.head.fold(h)
+        if self.method == "markov" and noise is None and b == 1:  # one block at T=0: one call where it applies
+            tokens = correction.steps(anchor, base)
+            if tokens is not None:
+                return RefineResult(tokens, None, torch.full((1,), k, dtype=torch.int64, device=base.device))
         if k < p and self.method == "xpress":
             correction = correction.first(k)
         logits_fn = corrected_logits(base, correction)

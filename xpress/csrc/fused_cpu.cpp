@@ -1262,6 +1262,22 @@ std::vector<torch::Tensor> draft_context(const torch::Tensor& features, const to
 }
 
 // ------------------------------------------------------------------------------------- the xPress refiner
+// argmax_v (a[v] + b[v]) over V entries, each sum rounded to float32: the first index on ties, NaN counting as
+// the maximum (torch.argmax's rules)
+inline int64_t argmax_plus(const float* a, const float* b, int64_t V) {
+  int64_t best = 0;
+  float top = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) {
+    const float x = a[v] + b[v];
+    if (x > top || (std::isnan(x) && !std::isnan(top))) {
+      top = x;
+      best = v;
+    }
+    if (std::isnan(top)) break;
+  }
+  return best;
+}
+
 // One T=0 Jacobi pass of the folded xPress refiner over the first k positions of one block
 // (xpress.heads.FoldedRefiner.choose): for position i, with e_j = table[idx[j]] (the previous tokens' folded
 // embeddings, [r] each),
@@ -1308,16 +1324,7 @@ torch::Tensor refine_pass(const torch::Tensor& idx, const torch::Tensor& u, cons
   product(z, k, r, wr, V, logits);
   auto tokens = torch::empty({k}, idx.options());
   int64_t* out = tokens.data_ptr<int64_t>();
-  const float* bp = base.data_ptr<float>();
-  for (int64_t i = 0; i < k; ++i) {
-    int64_t best = 0;
-    float top = -INFINITY;
-    for (int64_t v = 0; v < V; ++v) {
-      const float x = logits[i * V + v] + bp[i * V + v];
-      if (x > top || (std::isnan(x) && !std::isnan(top))) { top = x; best = v; }
-    }
-    out[i] = best;
-  }
+  for (int64_t i = 0; i < k; ++i) out[i] = argmax_plus(logits + i * V, base.data_ptr<float>() + i * V, V);
   return tokens;
 }
 
@@ -1355,6 +1362,28 @@ torch::Tensor refine_fold(const torch::Tensor& h, const torch::Tensor& a_h, cons
       up[i * r + d] = acc;
     }
   return u;
+}
+
+// The Markov head's T=0 decode of one block (xpress.jacobi.sequential_refine with xpress.heads.MarkovHead):
+// k dependent steps, token_i = argmax_v (base[i][v] + (W2 W1[x_{i-1}])_v), x_{-1} the anchor (its row
+// anchor_row of W1: [Vd+1, r]), then each chosen draft id (its own row). w2 packed [Vd, r]; base [k, Vd].
+// Returns tokens [k] int64 (the first index on ties; NaN counts as the maximum, as torch.argmax).
+torch::Tensor markov_steps(int64_t anchor_row, const torch::Tensor& w1, const torch::Tensor& w2,
+                           const torch::Tensor& base) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&w1, &base}) check(*t, "markov_steps input");
+  check_weight(w2, "markov_steps weight");
+  const int64_t k = base.size(0), V = base.size(1), r = w1.size(1);
+  TORCH_CHECK(w1.size(0) == V + 1 && w2.size(0) * 16 == V && anchor_row >= 0 && anchor_row <= V, "markov_steps: shapes");
+  auto tokens = torch::empty({k}, torch::TensorOptions().dtype(torch::kInt64));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  float* logits = scratch<float, 12>(static_cast<size_t>(V));
+  int64_t row = anchor_row;
+  for (int64_t i = 0; i < k; ++i) {
+    product(w1.data_ptr<float>() + row * r, 1, r, w2, V, logits);
+    out[i] = argmax_plus(logits, base.data_ptr<float>() + i * V, V);
+    row = out[i];
+  }
+  return tokens;
 }
 
 // ------------------------------------------------------------------------------------- machine roof
@@ -1403,6 +1432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack() or pack_bf16()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
   m.def("layer", &layer, "one Llama decoder layer for one sequence (see the file's header)");
+  m.def("markov_steps", &markov_steps, "the Markov head's T=0 decode of one block (see markov_steps)");
   m.def("refine_fold", &refine_fold, "the folded xPress refiner's token-independent part for one block (see refine_fold)");
   m.def("refine_pass", &refine_pass, "one T=0 Jacobi pass of the folded xPress refiner over one block (see refine_pass)");
   m.def("draft_context", &draft_context, "the dFlash drafter's context keys and values of new target states (see draft_context)");
