@@ -334,12 +334,17 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // accumulators: 11 loads for 24 VDPBF16PS), the first row block prefetching the next 3 panels, and the rows
 // left over in blocks of 4, 2 and 1 on the same panels; one row takes 4 panels (4 independent chains).
 // Products of 2-4 rows (a verify of k = 1-3 drafts) take 4 panels in blocks of up to 4 rows, a block of 4
-// prefetching each panel 4 KB ahead of its loads (PF_AHEAD).
+// prefetching each panel 1 KB (16 feature pairs) ahead of its loads (PF_AHEAD).
 // Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M's products and LM head, random weights, medians):
 // 16 rows 14.5 ms with 16 x 1 blocks, 8.7 with 8 x 3, 8.1-8.3 with the prefetch; 8 x 2, 4 x 4, 6 x 4 in between.
-// The 2-4 row blocks were chosen the same way (a probe alternating builds' variants in one process; its
-// timings were not kept: between separate runs this VM's one-row step alone moves by 20-40%).
-enum Prefetch { PF_NONE, PF_NEXT, PF_AHEAD };  // none; the next NP panels at the same depth; 64 pairs ahead
+// The 2-4 row blocks were chosen the same way, by probes that switch variants inside one process (their
+// timings were not kept: between separate runs this VM's one-row step alone moves by 20-40%). The last one
+// (2026-12-04, Zen 5, the target's 4-token verify after 200 tokens, 150-250 interleaved repeats, a placebo
+// variant within 0.2%): 1 KB ahead 1.8-3.3% sooner than 4 KB in three runs, 1.5 KB 2.4%, 512 B and 8 KB no
+// better; 4 x 6 blocks 15-25% slower than 4 x 4, 4 x 3 prefetching the next panels 3%, 4 x 2 no better; and for
+// one row any prefetch made the step 4-6% slower.
+enum Prefetch { PF_NONE, PF_NEXT, PF_AHEAD };  // none; the next NP panels at the same depth; 16 pairs ahead
+constexpr int64_t PF_PAIRS = 16;  // PF_AHEAD's distance in feature pairs (64 bytes each in a panel)
 template <int MR, int NP, int PF = PF_NONE>
 inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
   __m512 acc[MR][NP];
@@ -355,7 +360,7 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
     for (int p = 0; p < NP; ++p) {
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + kp * 32);
       if constexpr (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + kp * 32), _MM_HINT_T0);
-      if constexpr (PF == PF_AHEAD) _mm_prefetch(reinterpret_cast<const char*>(w + p * ps + (kp + 64) * 32), _MM_HINT_T0);
+      if constexpr (PF == PF_AHEAD) _mm_prefetch(reinterpret_cast<const char*>(w + p * ps + (kp + PF_PAIRS) * 32), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
