@@ -331,8 +331,8 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // row's 2 features one broadcast 32-bit word. out[m][j] is accumulated in float32 over the feature pairs in
 // order, from zero, each row by the same sequence of instructions whatever the number of rows or which block
 // it falls in: row-invariant by construction. Products of several rows take blocks of 8 rows x 3 panels (24
-// accumulators: 11 loads for 24 VDPBF16PS), the first row block prefetching the next 3 panels, and the rows
-// left over in blocks of 4, 2 and 1 on the same panels; one row takes 4 panels (4 independent chains).
+// accumulators: 11 loads for 24 VDPBF16PS), the full row blocks sharing out the prefetch of the next 3 panels,
+// and the rows left over in blocks of 4, 2 and 1 on the same panels; one row takes 4 panels (4 independent chains).
 // Products of 2-4 rows (a verify of k = 1-3 drafts) take 4 panels in blocks of up to 4 rows, a block of 4
 // prefetching each panel 1 KB (16 feature pairs) ahead of its loads (PF_AHEAD).
 // Measured on a 2-core AVX512-BF16 EPYC (SmolLM2-135M's products and LM head, random weights, medians):
@@ -342,11 +342,18 @@ void linear_bf16_into(const float* x, int64_t M, int64_t K, const uint16_t* W, i
 // (2026-12-04, Zen 5, the target's 4-token verify after 200 tokens, 150-250 interleaved repeats, a placebo
 // variant within 0.2%): 1 KB ahead 1.8-3.3% sooner than 4 KB in three runs, 1.5 KB 2.4%, 512 B and 8 KB no
 // better; 4 x 6 blocks 15-25% slower than 4 x 4, 4 x 3 prefetching the next panels 3%, 4 x 2 no better; and for
-// one row any prefetch made the step 4-6% slower.
+// one row any prefetch made the step 4-6% slower. 2026-12-05, the same CPU, all of SmolLM2-135M's products in
+// bf16 (random weights, 15-21 interleaved repeats, medians): the next group's prefetch shared out over the row
+// blocks instead of issued by the first, 16 rows 7.1-7.4 ms for 7.8-8.2 (24 rows 9.4 for 10.3, 128 rows 3% less);
+// the alternative, K in chunks of 32 or 64 pairs with every row block on a chunk before the next, was faster at 12
+// and 16 rows in some runs and slower in others, and 8-20% slower at 32 and 128.
 enum Prefetch { PF_NONE, PF_NEXT, PF_AHEAD };  // none; the next NP panels at the same depth; 16 pairs ahead
 constexpr int64_t PF_PAIRS = 16;  // PF_AHEAD's distance in feature pairs (64 bytes each in a panel)
+// PF_NEXT: only the feature pairs kp with kp % pf_blocks == pf_block (the row blocks of one group share out the
+// next group's lines, so that memory streams while every block computes, not only while the first does).
 template <int MR, int NP, int PF = PF_NONE>
-inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo) {
+inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps, float* out, int64_t ldo,
+                     int64_t pf_blocks = 1, int64_t pf_block = 0) {
   __m512 acc[MR][NP];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -359,7 +366,7 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
       wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + kp * 32);
-      if constexpr (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + kp * 32), _MM_HINT_T0);
+      if constexpr (PF == PF_NEXT) if (kp % pf_blocks == pf_block) _mm_prefetch(reinterpret_cast<const char*>(w + (p + NP) * ps + kp * 32), _MM_HINT_T0);
       if constexpr (PF == PF_AHEAD) _mm_prefetch(reinterpret_cast<const char*>(w + p * ps + (kp + PF_PAIRS) * 32), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
@@ -377,15 +384,19 @@ inline void dp_block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ps
 
 // Panels p0..p1-1 (NP at a time, the rest one by one) for rows m0..M-1 in blocks of MR, the rows left over in
 // blocks of MR / 2, MR / 4, ..., 1 on the same panels: each group of NP panels serves every row block (from cache).
-// PF: the first full block of rows on each group of panels prefetches (PF_NEXT: while there is a next group).
+// PF: PF_NEXT, while there is a next group: every full block of rows prefetches its share of that group's lines
+// (one block fetching it all left memory idle while the others computed: a 16-row product 9% slower, 24 rows 9%,
+// 12 rows 2.5%); PF_AHEAD: the first full block of rows on each group of panels prefetches.
 template <int MR, int NP, int PF = PF_NONE>
 inline void dp_group(const uint16_t* xb, int64_t m0, int64_t M, int64_t K, const uint16_t* W, int64_t ps, int64_t p0,
                      int64_t p1, float* o, int64_t N) {
   int64_t p = p0;
+  const int64_t blocks = (M - m0) / MR;  // full blocks of rows
   for (; p + NP <= p1; p += NP) {
     int64_t m = m0;
     for (; m + MR <= M; m += MR) {
-      if (PF == PF_NEXT && m == m0 && p + 2 * NP <= p1) dp_block<MR, NP, PF_NEXT>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
+      if (PF == PF_NEXT && p + 2 * NP <= p1)
+        dp_block<MR, NP, PF_NEXT>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N, blocks, (m - m0) / MR);
       else if (PF == PF_AHEAD && m == m0) dp_block<MR, NP, PF_AHEAD>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
       else dp_block<MR, NP>(xb + m * K, K, W + p * ps, ps, o + m * N + p * 16, N);
     }
