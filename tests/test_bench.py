@@ -140,8 +140,14 @@ def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
         model = load_target(load_config("smoke")).model
         assert roof["macs_per_token"] == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         assert roof["fma_per_s"] > 1e8 and roof["fma_per_s_one_thread"] > 1e8 and roof["rows"] == saved["block_size"]
-        assert roof["verify_floor_s"] == pytest.approx(roof["rows"] * roof["macs_per_token"] / roof["fma_per_s"])
+        per_value = {"bfloat16": 2, "float32": 4}[roof["product_dtype"]]
+        assert roof["weight_bytes"] == per_value * roof["macs_per_token"] and roof["read_gb_per_s"] > 0.1
+        assert roof["memory_floor_s"] == pytest.approx(roof["weight_bytes"] / roof["read_gb_per_s"] / 1e9)
+        assert roof["compute_floor_s"] == pytest.approx(roof["rows"] * roof["macs_per_token"] / roof["product_macs_per_s"])
+        assert roof["verify_floor_s"] == max(roof["memory_floor_s"], roof["compute_floor_s"])
         assert roof["floor_ratio"] == pytest.approx(roof["verify_floor_s"] / saved["verify_cost"]["step_1_s"])
+        # the kernel on cached weights cannot outrun its instruction's peak on chains in registers (10% slack for timing)
+        assert roof["peak_macs_per_s"] is None or roof["product_macs_per_s"] < 1.1 * roof["peak_macs_per_s"]
     assert saved["provenance"]["target_runtime"]["runtime"] == "lean"
 
 
@@ -268,8 +274,25 @@ def test_the_float32_floor_is_not_claimed_for_a_bf16_target():
     ceiling = {"block_size": 16, "verify_cost": {"loop_ratio": 1.36}, "roofline": roof}
     f32 = "\n".join(report._break_even_section(None, None, {**ceiling, "runtime": {"dtype": "float32"}}))
     bf16 = "\n".join(report._break_even_section(None, None, {**ceiling, "runtime": {"dtype": "bfloat16"}}))
-    assert "for any float32 kernel." in f32 and "does not bind" not in f32
+    assert "for a float32 kernel of 8-lane FMAs." in f32 and "does not bind" not in f32
     assert "computes in bfloat16, so that floor does not bind it" in bf16
+
+
+def test_the_floor_line_states_the_memory_and_the_arithmetic_floor():
+    """An oracle_ceiling.json with the memory floor: the README line gives both floors and the larger one's ratio."""
+    from xpress import report
+
+    roof = {"threads": 2, "rows": 16, "macs_per_token": 134e6, "product_dtype": "bfloat16", "weight_bytes": 268e6,
+            "read_gb_per_s": 50.0, "memory_floor_s": 268e6 / 50e9, "product_macs_per_s": 3.5e11,
+            "peak_macs_per_s": 5.4e11, "compute_floor_s": 16 * 134e6 / 3.5e11, "step_1_s": 0.006}
+    roof["verify_floor_s"] = max(roof["memory_floor_s"], roof["compute_floor_s"])
+    roof["floor_ratio"] = roof["verify_floor_s"] / roof["step_1_s"]
+    roof["step_over_memory_floor"] = roof["step_1_s"] / roof["memory_floor_s"]
+    text = "\n".join(report._break_even_section(None, None, {"block_size": 16, "verify_cost": {"loop_ratio": 1.6},
+                                                                "roofline": roof}))
+    assert "268 MB of bfloat16 weights" in text and "50.0 GB/s" in text and "under 5.36 ms" in text
+    assert "350 G/s at 16 rows" in text and "peak 540 G/s" in text and "at least 6.13 ms" in text
+    assert "Floor of the verify: 1.02 one-token steps (6.00 ms, itself 1.12x its memory floor)" in text
 
 
 def test_provenance_takes_a_sent_revision(monkeypatch):

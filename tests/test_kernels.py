@@ -7,6 +7,7 @@ import torch
 from xpress import kernels as kn
 from xpress import runtime as rt
 from xpress.config import ConfigError, load_config
+from xpress.cpu import cpu_flags
 from xpress.decoding import generate_ar, generate_speculative, generate_speculative_batch
 from xpress.heads import randomize_
 from xpress.proposer import new_drafter
@@ -41,6 +42,19 @@ def test_the_kernels_split_their_work_over_torchs_threads(fused):
             assert fused.parallel_threads(64) == (n if st["openmp"] else 1)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_roofline_rates_are_measured_where_the_cpu_has_the_instructions(fused):
+    """read_rate reads a buffer and times it; bf16_dot_rate runs VDPBF16PS chains only on a CPU with
+    AVX512-BF16 (else 0, never a made-up figure); and a product cannot beat the rates it is built from."""
+    from xpress import bench
+
+    assert 1e8 < fused.read_rate(32 << 20, 2) < 1e13
+    dot = fused.bf16_dot_rate(200_000)
+    has_dot = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+    assert (dot > 1e8) if has_dot else dot == 0.0
+    f32 = bench.product_rate(fused, 16, 576, False, torch.get_num_threads(), repeats=1)
+    assert 1e7 < f32 < 1.2 * fused.fma_rate(2_000_000)  # the float32 kernel is built of 8-lane FMAs
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 40)])

@@ -384,14 +384,23 @@ def verify_cost_ratio(target: Target, context_ids: Sequence[int], block_size: in
 
 
 def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict[str, Any] | None:
-    """The arithmetic floor of a verify on this machine (None off the CPU or without the fused kernels): the
-    float32 multiply-adds per second all threads sustain (:func:`fma_rate` of the C++ module: FMA chains in
-    registers, no memory traffic; the best of ``repeats``) and one thread alone, the target's multiply-adds
-    per token (every ``nn.Linear`` weight, the LM head included; attention's few per cached token left out),
-    and from them
-    the least time ANY float32 kernel needs for ``verify["block_size"]`` rows, against the measured 1-token
-    step (``verify``: :func:`verify_cost_ratio`'s result). Where ``floor_ratio`` exceeds a target ratio, no
-    float32 kernel can meet it here: the verify is bound by arithmetic, the step by reading the weights."""
+    """The floor of a one-token step and of a verify on this machine (None off the CPU or without the fused
+    kernels), from three measurements and the target's size:
+
+    - memory: bytes per second all threads read from a buffer far larger than the caches (:func:`read_rate`
+      of the C++ module, 256 MB or twice the weights, the best of ``repeats``); every forward reads each
+      weight once, so ``memory_floor_s`` = the weights' bytes in the products' dtype / that rate;
+    - arithmetic: multiply-adds per second of the product kernel itself at the verify's ``rows`` rows on a
+      weight that stays in cache (``product_macs_per_s``: what the kernel can do with no memory traffic), and
+      the instruction's own peak on chains held in registers (``peak_macs_per_s``: :func:`bf16_dot_rate`,
+      VDPBF16PS, for bf16 products without AMX tiles; :func:`fma_rate`, 8-lane FMAs, for float32 products;
+      None on AMX tiles), so ``compute_floor_s`` = rows x multiply-adds per token / the kernel's rate;
+    - ``verify_floor_s`` = the larger of the two, and ``floor_ratio`` = it over the measured 1-token step
+      (``verify``: :func:`verify_cost_ratio`'s result). Attention, norms and dispatch are left out, so the
+      floor is below what any verify of this kernel can reach; ``step_over_memory_floor`` says how close the
+      step itself runs to reading the weights at the machine's rate.
+
+    Multiply-adds per token: every ``nn.Linear`` weight, the LM head included."""
     import torch
 
     from . import kernels
@@ -401,6 +410,10 @@ def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict
     mod = kernels.fused_cpu()
     if mod is None:
         return None
+    bf16 = kernels.bf16_products()
+    weights = [m.weight for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    macs = sum(w.numel() for w in weights)
+    weight_bytes = macs * (2 if bf16 else 4)
     rate = max(mod.fma_rate(20_000_000) for _ in range(repeats))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -408,16 +421,45 @@ def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict
         one = max(mod.fma_rate(20_000_000) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
-    macs = sum(m.weight.numel() for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+    read = max(mod.read_rate(max(256 << 20, 2 * weight_bytes), 1) for _ in range(repeats))
     rows = int(verify["block_size"])
-    floor = rows * macs / rate
-    return {"fma_per_s": rate, "threads": threads, "fma_per_s_one_thread": one, "openmp": kernels.status()["openmp"],
-            "macs_per_token": macs, "rows": rows,
-            "verify_floor_s": floor, "step_1_s": verify["step_1_s"], "floor_ratio": floor / verify["step_1_s"],
-            "step_weight_gb_per_s": 4 * macs / verify["step_1_s"] / 1e9,
-            "what": "least seconds of float32 multiply-adds for a verify of `rows` tokens at the measured rate, "
-                    "over the measured 1-token step; step_weight_gb_per_s: float32 weight bytes read per second "
-                    "by that step"}
+    product = product_rate(mod, rows, weights[0].shape[1], bf16, threads, repeats)
+    peak = (None if mod.amx_ready() else max(mod.bf16_dot_rate(20_000_000) for _ in range(repeats))) if bf16 else rate
+    memory_floor = weight_bytes / read
+    compute_floor = rows * macs / product
+    floor = max(memory_floor, compute_floor)
+    step = verify["step_1_s"]
+    return {"threads": threads, "openmp": kernels.status()["openmp"], "rows": rows, "macs_per_token": macs,
+            "product_dtype": "bfloat16" if bf16 else "float32", "weight_bytes": weight_bytes,
+            "read_gb_per_s": read / 1e9, "memory_floor_s": memory_floor,
+            "product_macs_per_s": product, "peak_macs_per_s": peak, "compute_floor_s": compute_floor,
+            "verify_floor_s": floor, "step_1_s": step, "floor_ratio": floor / step,
+            "step_over_memory_floor": step / memory_floor, "step_weight_gb_per_s": weight_bytes / step / 1e9,
+            "fma_per_s": rate, "fma_per_s_one_thread": one,
+            "what": "least seconds of a verify of `rows` tokens: the larger of reading the weights at the measured "
+                    "memory rate and their multiply-adds at the product kernel's rate on cached weights, over the "
+                    "measured 1-token step; step_weight_gb_per_s: weight bytes that step reads per second"}
+
+
+def product_rate(mod, rows: int, K: int, bf16: bool, threads: int, repeats: int = 3) -> float:
+    """Multiply-adds per second of the fused kernel's product (``mod.linear``) of ``rows`` rows by a random
+    [N, K] weight small enough to stay in each core's L2 cache (about 0.5 MB per thread), packed as the
+    target's products are (bf16 or float32): the kernel's arithmetic rate without memory traffic, per-call
+    overhead included; the best of ``repeats`` runs of at least 0.1 s each."""
+    import torch
+
+    per_value = 2 if bf16 else 4
+    N = max(32, (512 * 1024 * threads // (K * per_value)) // 32 * 32)  # [N, K] packed: ~0.5 MB per thread
+    w = (mod.pack_bf16 if bf16 else mod.pack)(torch.randn(N, K) * 0.02)
+    x = torch.randn(rows, K)
+    best = 0.0
+    for _ in range(repeats):
+        calls, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < 0.1 or calls < 10:
+            mod.linear(x, w)
+            calls += 1
+        best = max(best, calls * rows * N * K / elapsed)
+    return best
 
 
 def _benchmark_prompts(target: Target, benchmarks: Sequence[str], n_prompts: int) -> list[tuple[str, list[int]]]:

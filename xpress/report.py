@@ -143,6 +143,19 @@ def _cpu_engine_section(preset: str, cost: dict | None, ceiling: dict | None) ->
     return out
 
 
+def roofline_line(roof: dict) -> str:
+    """The README's line on the floor of a step and a verify (``oracle_ceiling.json``'s ``roofline``)."""
+    peak = roof.get("peak_macs_per_s")
+    peak_text = f" (the instruction's peak {peak / 1e9:.0f} G/s)" if peak else ""
+    return (f"- the floor (`oracle_ceiling.json`, `roofline`): the products read {roof['weight_bytes'] / 1e6:.0f} MB "
+            f"of {roof['product_dtype']} weights per forward and this machine's {roof['threads']} threads read "
+            f"{roof['read_gb_per_s']:.1f} GB/s, so no step or verify takes under {roof['memory_floor_s'] * 1e3:.2f} ms; "
+            f"the product kernel multiplies {roof['product_macs_per_s'] / 1e9:.0f} G/s at {roof['rows']} rows on cached "
+            f"weights{peak_text}, so a {roof['rows']}-token verify needs at least {roof['compute_floor_s'] * 1e3:.2f} ms. "
+            f"Floor of the verify: {roof['floor_ratio']:.2f} one-token steps ({roof['step_1_s'] * 1e3:.2f} ms, itself "
+            f"{roof['step_over_memory_floor']:.2f}x its memory floor); attention, norms and dispatch are not in it.")
+
+
 def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> list[str]:
     """The tau at which speculative decoding breaks even on this machine, next to the measured tau."""
     out = []
@@ -151,14 +164,16 @@ def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> 
                    f"(`oracle_ceiling.json`, timed forwards): the break-even tau of a drafter that costs nothing "
                    f"at that block size.")
         roof = ceiling.get("roofline")
-        if roof:
+        if roof and "memory_floor_s" in roof:
+            out.append(roofline_line(roof))
+        elif roof:  # an oracle_ceiling.json written before the memory floor was measured (a float32 bound only)
             out.append(f"- the arithmetic floor (`oracle_ceiling.json`, `roofline`): this machine's {roof['threads']} threads "
-                       f"sustain {roof['fma_per_s'] / 1e9:.1f} G float32 multiply-adds/s together (FMA chains in registers; "
-                       f"one thread alone {roof['fma_per_s_one_thread'] / 1e9:.1f}); a "
+                       f"sustain {roof['fma_per_s'] / 1e9:.1f} G float32 multiply-adds/s together (8-lane FMA chains in "
+                       f"registers; one thread alone {roof['fma_per_s_one_thread'] / 1e9:.1f}); a "
                        f"{roof['rows']}-token verify needs {roof['macs_per_token'] / 1e6:.0f} M of them per token, at least "
                        f"{roof['verify_floor_s'] * 1e3:.1f} ms = {roof['floor_ratio']:.2f} one-token steps "
                        f"({roof['step_1_s'] * 1e3:.1f} ms, reading {roof['step_weight_gb_per_s']:.1f} GB/s of float32 weights) "
-                       f"for any float32 kernel.")
+                       f"for a float32 kernel of 8-lane FMAs.")
             dtype = (ceiling.get("runtime") or {}).get("dtype", "float32")
             if dtype != "float32":
                 out[-1] += (f" This target computes in {dtype}, so that floor does not bind it, and its step reads "

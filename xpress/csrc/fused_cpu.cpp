@@ -1429,6 +1429,75 @@ double fma_rate(int64_t iters) {
   return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 8.0 / seconds;
 }
 
+// Multiply-adds per second that every thread together sustains with VDPBF16PS (16 lanes x 2 bf16 products each)
+// on twelve independent chains held in registers: the arithmetic roof of the AVX512-BF16 products; 0 on a CPU
+// without AVX512-BF16 (wide()).
+#ifdef XP_AMX
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+double bf16_dot_rate_wide(int64_t iters) {
+  const int64_t T = at::get_num_threads();
+  std::vector<float> sink(static_cast<size_t>(T * 16));
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x00010001);
+      __m512 acc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i + t));
+      for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+      }
+      __m512 s = acc[0];
+      for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+      _mm512_storeu_ps(sink.data() + t * 16, s);
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 32.0 / seconds;
+}
+#pragma GCC pop_options
+#endif
+
+double bf16_dot_rate(int64_t iters) {
+#ifdef XP_AMX
+  if (wide()) return bf16_dot_rate_wide(iters);
+#endif
+  return 0.0;
+}
+
+// Bytes per second that every thread together reads from a buffer of `bytes` (written once first, so that its
+// pages exist), each thread a contiguous share, summed in four 8-lane accumulators; the best of `repeats` passes.
+// With `bytes` well over the last-level cache: the memory bandwidth a one-token step, which reads every weight
+// once, cannot beat.
+double read_rate(int64_t bytes, int64_t repeats) {
+  const int64_t n = std::max<int64_t>(bytes / 4 / 32 * 32, 32);
+  std::vector<float> buf(static_cast<size_t>(n), 1.0f);
+  const int64_t T = at::get_num_threads();
+  std::vector<float> sink(static_cast<size_t>(T * 8), 0.0f);
+  double best = 0.0;
+  for (int64_t r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    at::parallel_for(0, n / 32, 1, [&](int64_t a, int64_t b) {
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int64_t i = a * 32; i < b * 32; i += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(buf.data() + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(buf.data() + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(buf.data() + i + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(buf.data() + i + 24));
+      }
+      _mm256_storeu_ps(sink.data() + at::get_thread_num() * 8, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(n) * 4.0 / seconds);
+  }
+  volatile float keep = sink[0];
+  (void)keep;
+  return best;
+}
+
 // How many of torch's threads ran the bodies of one at::parallel_for over n items: at::get_num_threads()
 // where the module was built with OpenMP, 1 where it was not (ATen's parallel_for is an OpenMP region
 // written in its headers, so it runs serially in code compiled without -fopenmp).
@@ -1456,4 +1525,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_rows", &layer_rows, "one Llama decoder layer for one new token of each of several cached sequences");
   m.def("parallel_threads", &parallel_threads, "threads that ran one at::parallel_for over n items");
   m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
+  m.def("bf16_dot_rate", &bf16_dot_rate, "bf16 multiply-adds per second on all threads with VDPBF16PS (0 without AVX512-BF16)");
+  m.def("read_rate", &read_rate, "bytes per second all threads read from a buffer of the given size");
 }
