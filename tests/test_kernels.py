@@ -237,14 +237,14 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
 
     def call(rows, at, keys, values):
         return fused.layer(h[rows], ln1, packed[0], packed[1], ln2, packed[2], packed[3], rot[rows].contiguous(),
-                           keys, values, at, nh, nkv, eps, bf16 and fused.amx_ready())  # tiles: AMX only
+                           keys, values, at, nh, nkv, eps, bf16, NO_TILES, NO_TILES, 0)  # tiles: bf16 attention
     k_all, v_all = cached[0].clone(), cached[1].clone()
     together = call(slice(0, n), L, k_all, v_all)
     k_one, v_one = cached[0].clone(), cached[1].clone()
     alone = torch.cat([call(slice(i, i + 1), L + i, k_one, v_one) for i in range(n)])
     assert torch.equal(together, alone) and torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
     ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps,
-                           bf16=bf16, tiles=bf16 and fused.amx_ready())
+                           bf16=bf16, tiles=bf16)
     tol = 3e-3 if bf16 else 1e-4  # the float32 attention is ~1e-2 from the bf16 reference: the tiles are checked
     torch.testing.assert_close(together.double(), ref, rtol=tol, atol=tol)
 
@@ -308,6 +308,7 @@ def test_speculative_equals_greedy_ar_through_the_fused_layers(twins):
     assert sum(g.token_ids == r for g, r in zip(batch, refs)) >= len(prompts) - 1
 
 
+NO_TILES = torch.empty(0, 0, dtype=torch.int16)  # layer() without a cache's store of the tiles' layouts
 WIDE_HEADS = ["target.random_hidden=128", "target.random_heads=4", "target.random_kv_heads=2"]  # head width 32
 
 
@@ -323,9 +324,10 @@ def test_bf16_fused_layers_on_amx_are_exact_and_lossless(fused, heads):
     over = ["target.dtype=bfloat16", "target.kernels=auto", *(WIDE_HEADS if heads == "width32" else [])]
     target = load_target(load_config("smoke", over))
     assert target.meta["kernels"] == "fused" and target.meta["dtype"] == "bfloat16"
-    tiles = heads == "width32" and fused.amx_ready()  # attention on the tiles: AMX only
+    tiles = heads == "width32"  # bf16 attention: on the tiles, or with AVX512-BF16 without them
     assert target.runtime.tile_attention == tiles
-    assert target.meta["attention"] == ("bf16 products on AMX tiles" if tiles else "float32 (fused kernel)")
+    assert target.meta["attention"] == ("float32 (fused kernel)" if not tiles else "bf16 products on AMX tiles"
+                                        if fused.amx_ready() else "bf16 products with AVX512-BF16")
     assert target.meta["row_invariance"]["exact"]
     assert ("AMX tiles" if fused.amx_ready() else "AVX512-BF16") in target.meta["kernels_reason"]
     lean = target.runtime
@@ -348,6 +350,39 @@ def test_bf16_fused_layers_on_amx_are_exact_and_lossless(fused, heads):
         assert generate_speculative(target, rand, p, 40).token_ids == ref
 
 
+def test_bf16_attention_from_the_caches_store_equals_laying_out_the_whole_cache(fused):
+    """The fused bf16 attention reads keys and values in the tiles' layouts. A cache keeps them (tile_store), so
+    that each forward lays out only its new columns: through a prefill, steps, verifies, rollbacks (crop) with
+    the rolled-back columns written again, a forward of the PyTorch layer (which writes the cache in place) and
+    a growth of the cache, the logits equal those of a cache without a store (every column laid out in every
+    call) bit for bit."""
+    if not fused.bf16_ready():
+        pytest.skip("bf16 attention needs AMX tiles or AVX512-BF16, which this CPU (or kernel) does not offer")
+    target = load_target(load_config("smoke", ["target.dtype=bfloat16", "target.kernels=fused", *WIDE_HEADS]))
+    lean = target.runtime
+    assert lean.tile_attention
+    stored, plain = lean.new_cache(1, 64), lean.new_cache(1, 64)
+    plain.tile_store = lambda: []  # this one lays out the whole cache in each call
+    gen = torch.Generator().manual_seed(5)
+    steps = [("forward", 40), ("forward", 1), ("forward", 1), ("forward", 5), ("crop", 43), ("forward", 6),
+             ("torch", 3), ("forward", 1), ("crop", 30), ("forward", 16), ("forward", 30), ("forward", 1)]
+    for what, n in steps:
+        if what == "crop":
+            stored.crop(n)
+            plain.crop(n)
+            continue
+        L = stored.length
+        ids = torch.randint(3, target.vocab_size, (1, n), generator=gen)
+        pos = torch.arange(L, L + n)[None]
+        if what == "torch":  # the PyTorch layer on the same cache (a ragged batch's path), then the fused one again
+            outs = [lean._block(ids, c, pos, None, None)[0] for c in (stored, plain)]
+        else:
+            outs = [target_forward(target, ids, c, pos).logits for c in (stored, plain)]
+        assert torch.equal(outs[0], outs[1]), (what, n, L)
+        assert stored.length == plain.length == L + n
+    assert stored.capacity > 64 and stored.tiles_upto == stored.length  # it grew, and the store followed
+
+
 def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypatch):
     with pytest.raises(ConfigError, match="target.kernels='cuda'"):
         load_config("smoke", ["target.kernels=cuda"])
@@ -356,12 +391,12 @@ def test_kernels_setting_is_validated_and_refusals_name_the_fix(fused, monkeypat
     if fused.bf16_ready():  # attention=float32 keeps the bf16 layer's attention off the tiles
         t = load_target(load_config("smoke", ["target.dtype=bfloat16", "target.attention=float32", *WIDE_HEADS]))
         assert not t.runtime.tile_attention and t.meta["attention"] == "float32 (fused kernel)"
-    with pytest.raises(RuntimeError, match="attention on AMX tiles needs bf16 weights"):
+    with pytest.raises(RuntimeError, match="bf16 attention \\(AMX tiles or AVX512-BF16\\) needs bf16 weights"):
         h, w = torch.zeros(1, 64), fused.pack(torch.zeros(3 * 32, 64))
         keys = torch.zeros(1, 8, 32)
         fused.layer(h, torch.ones(64), w, fused.pack(torch.zeros(64, 32)), torch.ones(64),
                     fused.pack(torch.zeros(64, 64)), fused.pack(torch.zeros(64, 32)), torch.zeros(1, 16, 2),
-                    keys, keys.clone(), 0, 1, 1, 1e-5, True)
+                    keys, keys.clone(), 0, 1, 1, 1e-5, True, NO_TILES, NO_TILES, 0)
     bf16 = ["target.kernels=fused", "target.runtime=lean", "target.dtype=bfloat16"]
     if fused.bf16_ready():  # bf16 runs on the AMX tiles or with AVX512-BF16; float16 nowhere
         assert load_target(load_config("smoke", bf16)).meta["kernels"] == "fused"

@@ -49,8 +49,9 @@ class TargetConfig:
     in float32, or in bf16 with its products on AMX tiles; ragged batches keep the PyTorch layer) or ``auto``
     (fused in float32 on a CPU with AVX2 and FMA but no AVX-512 and in bf16 on a CPU with AMX-BF16, the
     classes of CPU it was measured on, where it builds; else torch). attention, for the fused bf16 layer:
-    ``auto`` runs attention's two products (q.k, p.v) on the AMX tiles too, in bf16 with float32 sums, where
-    the head width is a multiple of 32; ``float32`` keeps them in float32 (the path before). The choices made
+    ``auto`` runs attention's two products (q.k, p.v) in bf16 with float32 sums too, on the AMX tiles or, on
+    a CPU without them, with AVX512-BF16, where the head width is a multiple of 32; ``float32`` keeps them in
+    float32 (the path before). The choices made
     are recorded in every provenance. frame_rows, for the transformers runtime (the one a GPU runs): ``F > 0`` runs every
     forward without an attention mask (batch-1 decoding: prefill, steps, verifies) on frames of exactly
     ``F`` positions aligned to multiples of ``F`` (a frame's positions before the new tokens are recomputed
@@ -68,7 +69,7 @@ class TargetConfig:
     dtype: str = "float32"  # float32, bfloat16, float16 or auto
     runtime: str = "auto"  # auto, lean or transformers
     kernels: str = "auto"  # auto, fused or torch (the lean runtime's layer: C++ or PyTorch operations)
-    attention: str = "auto"  # auto or float32: the fused bf16 layer's attention products on AMX tiles or not
+    attention: str = "auto"  # auto or float32: the fused bf16 layer's attention products in bf16 (AMX / AVX512-BF16) or not
     device: str = "cpu"
     frame_rows: int = 0  # transformers runtime: unmasked forwards run on aligned frames of this many positions (0 = off)
     max_context: int = 8192  # prompt + generation; longer prompts are refused

@@ -126,6 +126,25 @@ class StaticKV:
         cap = _round_up(max(capacity, CHUNK), CHUNK)
         self.keys = [self._empty(cap) for _ in range(n_layers)]
         self.values = [self._empty(cap) for _ in range(n_layers)]
+        self.tiles: list[tuple[torch.Tensor, torch.Tensor]] = []  # tile_store(): the fused bf16 attention's layouts
+        self.tiles_upto = 0  # columns 0..tiles_upto-1 of `tiles` match the keys and values
+
+    def tile_store(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of batch row 0 in the layouts the fused kernel's bf16 attention reads
+        (``key_tiles``, ``value_tiles`` [nkv, capacity hd] int16, bf16 bits; see keys_to_tiles in
+        xpress/csrc/fused_cpu.cpp), made at the first call and again when the capacity grew; valid for columns
+        0..:attr:`tiles_upto`-1: the kernel lays out only the columns after them, so that a one-token step does
+        not round the whole cache again. Every write other than the fused layer's lowers ``tiles_upto``."""
+        b, nkv, hd = self.shape
+        if not self.tiles or self.tiles[0][0].shape[1] != self.capacity * hd:
+            self.tiles = [(torch.zeros(nkv, self.capacity * hd, dtype=torch.int16),
+                           torch.zeros(nkv, self.capacity * hd, dtype=torch.int16)) for _ in self.keys]
+            self.tiles_upto = 0
+        return self.tiles
+
+    def tiles_stale_from(self, column: int) -> None:
+        """Columns from ``column`` on were (or will be) written outside the fused layer: lay them out again."""
+        self.tiles_upto = min(self.tiles_upto, column)
 
     def _empty(self, capacity: int) -> torch.Tensor:
         b, nkv, hd = self.shape
@@ -152,6 +171,7 @@ class StaticKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put the new columns' k, v [b, nkv, n, hd] after the cached ones (the length moves in :meth:`advance`)."""
         n = k.shape[2]
+        self.tiles_stale_from(self.length)
         self.keys[layer][:, :, self.length:self.length + n] = k
         self.values[layer][:, :, self.length:self.length + n] = v
 
@@ -162,6 +182,7 @@ class StaticKV:
         """Keep the first ``max_length`` columns; a negative number removes that many (transformers' rule).
         The dropped columns stay in the buffer (masked, overwritten by the next write)."""
         self.length = self.length + max_length if max_length < 0 else min(self.length, max_length)
+        self.tiles_stale_from(self.length)
 
     def row(self, r: int) -> "StaticKV":
         """Row ``r`` as a one-row cache over the same storage, empty (length 0) and of fixed capacity: what a
@@ -177,6 +198,7 @@ class StaticKV:
             for t in store:
                 t[:, :, :kept] = t[:, :, :self.length].gather(2, g)
         self.length = kept
+        self.tiles_stale_from(0)
 
 
 class _RowKV(StaticKV):
@@ -186,11 +208,17 @@ class _RowKV(StaticKV):
         self.shape, self.dtype, self.device, self.length = (1, *cache.shape[1:]), cache.dtype, cache.device, 0
         self.keys = [t[r:r + 1] for t in cache.keys]
         self.values = [t[r:r + 1] for t in cache.values]
+        self.tiles, self.tiles_upto = [], 0
+
+    def tile_store(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return []  # a row of a batch cache keeps no store (its steps, layer_rows, lay out their columns each call)
 
     def reserve(self, length: int) -> None:
         if length > self.capacity:
             raise ValueError(f"a cache row holds {self.capacity} columns, {length} were asked: allocate a larger cache")
 
+
+_NO_TILES = torch.empty(0, 0, dtype=torch.int16)  # layer()'s key_tiles / value_tiles where a cache keeps no store
 
 GATE_UP_BLOCK = 16  # the fused kernels' panel width: a thread that computes 16 gate columns has their up columns
 
@@ -305,6 +333,13 @@ class LayerWeights:
     fused: tuple[torch.Tensor, ...] = ()  # wqkv, wo, wgu, wd packed for the fused kernels, [N / 16, K, 16] each
 
 
+def attention_name(lean: LeanModel) -> str:
+    """What the fused layer's attention computes in (provenance's ``attention``)."""
+    if not lean.tile_attention:
+        return "float32 (fused kernel)"
+    return "bf16 products on AMX tiles" if lean.kernels.amx_ready() else "bf16 products with AVX512-BF16"
+
+
 class LeanModel:
     """The weights of a transformers Llama/Qwen3 ``*ForCausalLM`` rearranged for :meth:`forward`.
 
@@ -312,8 +347,9 @@ class LeanModel:
     statistics stay float32. ``kernels``: the compiled module of :func:`xpress.kernels.fused_cpu`, or None.
     Given one (float32, a Llama model), a forward of one sequence runs each decoder layer as one C++ call
     (:meth:`_fused_block`), exact by the same construction; batches of several rows run the PyTorch layer
-    with the C++ kernel's products (:class:`Linear`). ``attention``: ``auto`` puts a fused bf16 layer's
-    attention products on the AMX tiles too (:attr:`tile_attention`), ``float32`` keeps them in float32.
+    with the C++ kernel's products (:class:`Linear`). ``attention``: ``auto`` runs a fused bf16 layer's
+    attention products in bf16 too (:attr:`tile_attention`: AMX tiles, or AVX512-BF16 without them),
+    ``float32`` keeps them in float32.
     """
 
     def __init__(self, model: Any, dtype: torch.dtype, kernels: Any = None, attention: str = "auto") -> None:
@@ -347,9 +383,10 @@ class LeanModel:
         if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
-        # the fused bf16 layer's attention products on AMX tiles (attend_amx in xpress/csrc/fused_cpu.cpp)
+        # the fused bf16 layer's attention products in bf16: on AMX tiles (attend_amx in xpress/csrc/fused_cpu.cpp)
+        # or, without them, with AVX512-BF16 (attend_dp); the kernels' `tiles` argument
         self.tile_attention = (kernels is not None and bf16 and self.head_dim % 32 == 0 and attention == "auto"
-                               and kernels.amx_ready())
+                               and kernels.bf16_ready())
         # the dtype activations are cast to before a product, and the K/V cache's: the matmul dtype, except
         # with the fused kernels, which take float32 activations (bf16 products round them inside)
         self.act = torch.float32 if kernels is not None else dtype
@@ -526,13 +563,18 @@ class LeanModel:
         h = self.embed[ids[0]].float()  # [n, H] residual stream, float32
         feats = []
         want = set(feature_layers or ())
+        store = cache.tile_store() if self.tile_attention else []
+        start = min(cache.tiles_upto, L)
         for i, lw in enumerate(self.layers):
             wqkv, wo, wgu, wd = lw.fused
+            kt, vt = store[i] if store else (_NO_TILES, _NO_TILES)
             h = self.kernels.layer(h, lw.ln1, wqkv, wo, lw.ln2, wgu, wd, rot, cache.keys[i][0], cache.values[i][0],
-                                   L, self.n_heads, self.n_kv, self.eps, self.tile_attention)
+                                   L, self.n_heads, self.n_kv, self.eps, self.tile_attention, kt, vt, start)
             if i in want:
                 feats.append(h[None])
         cache.advance(n)
+        if store:
+            cache.tiles_upto = L + n
         if feature_layers is None:
             return h[None], None
         return h[None], torch.cat([feats[sorted(want).index(j)] for j in feature_layers], dim=-1)
@@ -543,6 +585,7 @@ class LeanModel:
         float32 and the features (or None)."""
         b, n = ids.shape
         L = cache.length
+        cache.tiles_stale_from(L)  # _layer writes columns L..L+n-1 in place
         rot = self._rope_table(int(pos.max()) + 1)[pos][:, :, None]  # [b, n, 1, hd / 2] complex
         bias = attention_bias(b, n, L, self.n_heads // self.n_kv, mask, ids.device)  # [b, 1, n g, Lc], Lc = L + n rounded up to CHUNK
         h = self.embed[ids].float()  # [b, n, H] residual stream, float32

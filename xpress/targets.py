@@ -311,8 +311,8 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
             lean = rt.LeanModel(model, torch.float32, kernels=kernels, attention=tc.attention)
             record.update(dtype="float32", dtype_reason="bf16 failed the row-invariance check",
                           row_invariance=rt.check_row_invariance(lean))
-    record["attention"] = ("bf16 products on AMX tiles" if lean.tile_attention else "float32 (fused kernel)"
-                           if lean.kernels is not None else f"PyTorch, {str(lean.act).removeprefix('torch.')}")
+    record["attention"] = (rt.attention_name(lean) if lean.kernels is not None
+                           else f"PyTorch, {str(lean.act).removeprefix('torch.')}")
     return lean, record
 
 

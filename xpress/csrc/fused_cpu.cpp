@@ -671,9 +671,12 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
 // width (scores) or the key columns (outputs), from zero; so a query row's bits do not depend on the other
 // rows of its tile. The softmax is attend()'s, in float32, over the row's own columns 0..L+i; its numerators
 // are rounded to bf16, and zero past L+i (the rows of a verify see later columns than a step, whose extra
-// products are exact zeros: x + 0 * v = x). The cache stays float32 [cap, hd]: each call rounds the keys and
-// values it reads into the tiles' layouts (keys: blocks of 16 columns, pairs of head features adjacent;
-// values: pairs of key columns adjacent), a pass over the cache as long as attend()'s own.
+// products are exact zeros: x + 0 * v = x). The cache stays float32 [cap, hd]; the keys and values are read
+// rounded to bf16 in the tiles' layouts (keys: blocks of 16 columns, pairs of head features adjacent; values:
+// pairs of key columns adjacent), which a one-sequence cache keeps (layer()'s key_tiles, value_tiles: each call
+// lays out only its new columns; without that store, a pass over the whole cache per call cost a one-token step
+// at 1,000 tokens 10% more than float32 attention). On a CPU without tiles, attend_dp() computes the same
+// products with VDPBF16PS.
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 
@@ -768,10 +771,11 @@ inline void transpose16(__m512i r[16]) {
 inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
 // Keys kb [cap, hd] columns 0..width-1 (zero past them, up to W, a multiple of 16) -> kt: for each block of
-// 16 columns and each 32 head features, a B tile [16 feature pairs][16 columns][2] (1 KB)
-inline void keys_to_tiles(const float* kb, int64_t hd, int64_t width, int64_t W, uint16_t* kt) {
+// 16 columns and each 32 head features, a B tile [16 feature pairs][16 columns][2] (1 KB); the blocks from the
+// one holding column `from` on (those before it are left as they are)
+inline void keys_to_tiles(const float* kb, int64_t hd, int64_t width, int64_t W, uint16_t* kt, int64_t from = 0) {
   const int64_t KT = hd / 32;
-  for (int64_t cb = 0; cb < W / 16; ++cb)
+  for (int64_t cb = from / 16; cb < W / 16; ++cb)
     for (int64_t k = 0; k < KT; ++k) {
       __m512i r[16];
       for (int c = 0; c < 16; ++c) {
@@ -790,13 +794,13 @@ inline void keys_to_tiles(const float* kb, int64_t hd, int64_t width, int64_t W,
 }
 
 // Values vb [cap, hd] columns 0..width-1 (zero past them, up to W, a multiple of 32) -> vt: for each block of
-// 32 columns and each 16 head features, a B tile [16 column pairs][16 features][2] (1 KB)
-inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t W, uint16_t* vt) {
+// 32 columns and each 16 head features, a B tile [16 column pairs][16 features][2] (1 KB); from: as keys_to_tiles
+inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t W, uint16_t* vt, int64_t from = 0) {
   const int64_t DT = hd / 16;
   alignas(64) static const uint16_t inter[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(inter);
-  for (int64_t c = 0; c < W; c += 2) {  // columns c, c + 1: row (c % 32) / 2 of the block's tiles
+  for (int64_t c = from / 32 * 32; c < W; c += 2) {  // columns c, c + 1: row (c % 32) / 2 of the block's tiles
     const float* a = vb + c * hd;
     uint16_t* dst = vt + (c / 32) * DT * 512 + ((c % 32) / 2) * 32;
     for (int64_t d = 0; d < DT; ++d) {
@@ -808,15 +812,16 @@ inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t 
 }
 
 // The nkv heads' keys and values (kp, vp [nkv, cap, hd]) columns 0..width-1 in the tiles' layouts, head by
-// head, W * hd elements a head (W: width rounded up to 32), the threads taking heads: what attend_amx()
-// reads where several of its calls share a head (kt, vt: nkv W hd elements each)
+// head, `stride` elements a head (at least W * hd, W: width rounded up to 32), the threads taking heads: what
+// attend_amx() and attend_dp() read where several of their calls share a head, or a cache's own store of the
+// layouts (from: the first column not laid out there yet; the blocks before its own are kept)
 void heads_to_tiles(const float* kp, const float* vp, int64_t nkv, int64_t cap, int64_t hd, int64_t width,
-                    uint16_t* kt, uint16_t* vt) {
+                    uint16_t* kt, uint16_t* vt, int64_t stride, int64_t from = 0) {
   const int64_t W = (width + 31) / 32 * 32;
   at::parallel_for(0, nkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t kh = h0; kh < h1; ++kh) {
-      keys_to_tiles(kp + kh * cap * hd, hd, width, W, kt + kh * W * hd);
-      values_to_tiles(vp + kh * cap * hd, hd, width, W, vt + kh * W * hd);
+      keys_to_tiles(kp + kh * cap * hd, hd, width, W, kt + kh * stride, from);
+      values_to_tiles(vp + kh * cap * hd, hd, width, W, vt + kh * stride, from);
     }
   });
 }
@@ -913,6 +918,122 @@ void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, i
       for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(num + row * hd + d), inv));
     }
 }
+// ------------------------------------------------------ attention with AVX512-BF16 (no tiles): attend_dp
+// The tiles' attention on a CPU without them: the same bf16 operands in the same layouts (keys_to_tiles,
+// values_to_tiles), each product VDPBF16PS on 16 lanes. A score (16 columns a vector) sums its head's feature
+// pairs in order from zero; an output (16 features a vector) sums its column pairs in order from zero, the
+// numerators past the row's own columns exact zeros: so whatever the rows in the call, each row computes
+// the same instructions on the same values (row-invariant). The blocks of rows (4, 2, 1) and of columns only
+// decide how many vectors share a load.
+template <int MR, int NC>
+inline void dp_scores(const uint16_t* qb, int64_t hd, const uint16_t* kt, int64_t cb, float* s, int64_t W) {
+  const int64_t KT = hd / 32, H2 = hd / 2;
+  const int32_t* q = reinterpret_cast<const int32_t*>(qb);  // row m's feature pair kp: q[m * H2 + kp]
+  __m512 acc[MR][NC];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < KT; ++k)
+    for (int64_t p = 0; p < 16; ++p) {
+      __m512bh kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kt + ((cb + c) * KT + k) * 512 + p * 32);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(q[m * H2 + k * 16 + p]);
+        for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], x, kv[c]);
+      }
+    }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(s + m * W + (cb + c) * 16, acc[m][c]);
+}
+
+template <int MR>
+inline void dp_scores_rows(const uint16_t* qb, int64_t m, int64_t R, int64_t hd, const uint16_t* kt, float* s, int64_t W) {
+  for (; m + MR <= R; m += MR) {
+    int64_t cb = 0;
+    for (; cb + 4 <= W / 16; cb += 4) dp_scores<MR, 4>(qb + m * hd, hd, kt, cb, s + m * W, W);
+    for (; cb < W / 16; ++cb) dp_scores<MR, 1>(qb + m * hd, hd, kt, cb, s + m * W, W);
+  }
+  if constexpr (MR > 1) if (m < R) dp_scores_rows<MR / 2>(qb, m, R, hd, kt, s, W);
+}
+
+// num[m][d0 .. d0 + 16 ND) for MR rows: sum over the columns of p (bf16 numerators, rows W apart) times values
+template <int MR, int ND>
+inline void dp_values(const uint16_t* pb, int64_t W, const uint16_t* vt, int64_t DT, int64_t d0, float* num, int64_t hd) {
+  const int32_t* p = reinterpret_cast<const int32_t*>(pb);  // row m's column pair cp: p[m * W / 2 + cp]
+  __m512 acc[MR][ND];
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < ND; ++d) acc[m][d] = _mm512_setzero_ps();
+  for (int64_t cp = 0; cp < W / 2; ++cp) {
+    const uint16_t* b = vt + ((cp / 16) * DT + d0) * 512 + (cp % 16) * 32;
+    __m512bh vv[ND];
+    for (int d = 0; d < ND; ++d) vv[d] = (__m512bh)_mm512_loadu_si512(b + d * 512);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(p[m * (W / 2) + cp]);
+      for (int d = 0; d < ND; ++d) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], x, vv[d]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(num + m * hd + (d0 + d) * 16, acc[m][d]);
+}
+
+template <int MR>
+inline void dp_values_rows(const uint16_t* pb, int64_t m, int64_t R, int64_t W, const uint16_t* vt, int64_t hd, float* num) {
+  const int64_t DT = hd / 16;
+  for (; m + MR <= R; m += MR) {
+    int64_t d = 0;
+    for (; d + 4 <= DT; d += 4) dp_values<MR, 4>(pb + m * W, W, vt, DT, d, num + m * hd, hd);
+    for (; d < DT; ++d) dp_values<MR, 1>(pb + m * W, W, vt, DT, d, num + m * hd, hd);
+  }
+  if constexpr (MR > 1) if (m < R) dp_values_rows<MR / 2>(pb, m, R, W, vt, hd, num);
+}
+
+// attend_amx() with VDPBF16PS: the same rows, heads, layouts and outputs (kt0 / vt0 as there)
+void attend_dp(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
+               int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att, const uint16_t* kt0 = nullptr,
+               const uint16_t* vt0 = nullptr) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32;
+  uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
+  const uint16_t* kt = kt0;
+  const uint16_t* vt = vt0;
+  float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
+  uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
+  float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const float* q = qkv + i * Q + (kh * g + j) * hd;
+      uint16_t* dst = qb + ((i - r0) * g + j) * hd;
+      for (int64_t d = 0; d < hd; d += 32)
+        _mm512_storeu_si512(dst + d, bf16x32(_mm512_loadu_ps(q + d), _mm512_loadu_ps(q + d + 16)));
+    }
+  if (kt == nullptr) {
+    uint16_t* k = scratch<uint16_t, 11>(static_cast<size_t>(W * hd));
+    uint16_t* v = scratch<uint16_t, 12>(static_cast<size_t>(W * hd));
+    keys_to_tiles(kb, hd, width, W, k);
+    values_to_tiles(vb, hd, width, W, v);
+    kt = k;
+    vt = v;
+  }
+  dp_scores_rows<4>(qb, 0, R, hd, kt, s, W);
+  float* den = scratch<float, 3>(static_cast<size_t>(R));
+  for (int64_t i = r0; i < r1; ++i)  // per row: softmax over its columns 0..L+i, numerators to bf16 (0 past)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t row = (i - r0) * g + j, cols = L + i + 1;
+      float* sr = s + row * W;
+      den[row] = softmax_numerators16(sr, cols, scale);
+      uint16_t* pr = pb + row * W;
+      for (int64_t c = 0; c < W; c += 32)
+        _mm512_storeu_si512(pr + c, bf16x32(_mm512_maskz_loadu_ps(first(cols - c), sr + c),
+                                            _mm512_maskz_loadu_ps(first(cols - c - 16), sr + c + 16)));
+    }
+  dp_values_rows<4>(pb, 0, R, W, vt, hd, num);
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t row = (i - r0) * g + j;
+      const __m512 inv = _mm512_set1_ps(1.0f / den[row]);
+      float* o = att + i * nh * hd + (kh * g + j) * hd;
+      for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(num + row * hd + d), inv));
+    }
+}
 #pragma GCC pop_options
 #endif
 
@@ -935,7 +1056,8 @@ inline void attend_any(bool tiles, const float* qkv, int64_t Q, const float* kb,
                        int64_t L, int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att,
                        const uint16_t* kt = nullptr, const uint16_t* vt = nullptr) {
 #ifdef XP_AMX
-  if (tiles) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
+  if (tiles && amx_ready()) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
+  if (tiles) return attend_dp(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
 #endif
   attend(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
 }
@@ -1056,10 +1178,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
-// tiles (attention on AMX tiles) asks for bf16 weights, AMX and a head width that is a multiple of 32
+// tiles (attention's products in bf16: on AMX tiles, else with AVX512-BF16) asks for bf16 weights, bf16_ready()
+// and a head width that is a multiple of 32
 void check_tiles(bool tiles, const torch::Tensor& wqkv, int64_t hd) {
-  TORCH_CHECK(!tiles || (wqkv.scalar_type() == torch::kBFloat16 && hd % 32 == 0 && amx_ready()),
-              "attention on AMX tiles needs bf16 weights, AMX and a head width that is a multiple of 32");
+  TORCH_CHECK(!tiles || (wqkv.scalar_type() == torch::kBFloat16 && hd % 32 == 0 && bf16_ready()),
+              "bf16 attention (AMX tiles or AVX512-BF16) needs bf16 weights, bf16_ready() and a head width that is a multiple of 32");
 }
 
 // One decoder layer on the residual stream h [n, H] (returned updated, a new tensor); writes the n new keys
@@ -1069,12 +1192,23 @@ void check_tiles(bool tiles, const torch::Tensor& wqkv, int64_t hd) {
 torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                     const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                     const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
-                    int64_t L, int64_t nh, int64_t nkv, double eps, bool tiles) {
+                    int64_t L, int64_t nh, int64_t nkv, double eps, bool tiles, torch::Tensor key_tiles,
+                    torch::Tensor value_tiles, int64_t tiles_from) {
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&h_in, &ln1, &ln2, &rot, &keys, &values})
     check(*t, "layer input");  // the weights: decoder_layer
   const int64_t n = h_in.size(0), hd = keys.size(2), cap = keys.size(1), g = nh / nkv;
   TORCH_CHECK(L + n <= cap && keys.size(0) == nkv, "layer: shapes");
   check_tiles(tiles, wqkv, hd);
+  // the cache's own store of the tiles' layouts (key_tiles, value_tiles [nkv, S] int16, S >= (L + n rounded up
+  // to 32) hd; empty: none), valid for columns 0..tiles_from-1: this call lays out the columns from there on
+  const bool stored = tiles && key_tiles.numel() > 0;
+  const int64_t stride = stored ? key_tiles.size(1) : 0;
+  if (stored)
+    TORCH_CHECK(key_tiles.scalar_type() == torch::kInt16 && value_tiles.scalar_type() == torch::kInt16 &&
+                key_tiles.is_contiguous() && value_tiles.is_contiguous() && key_tiles.sizes() == value_tiles.sizes() &&
+                key_tiles.size(0) == nkv && stride >= (L + n + 31) / 32 * 32 * hd && 0 <= tiles_from && tiles_from <= L,
+                "layer: key_tiles / value_tiles must be contiguous int16 [nkv, S >= (L + n rounded up to 32) hd], "
+                "tiles_from in 0..L");
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   auto put_kv = [&](int64_t i, const float* k, const float* v) {
@@ -1089,20 +1223,26 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
     const int64_t RB = std::max<int64_t>(1, (n + 1) / 2);
     const int64_t blocks = (n + RB - 1) / RB, W = (L + n + 31) / 32 * 32;
     uint16_t *kt = nullptr, *vt = nullptr;
+    int64_t per_head = W * hd;
 #ifdef XP_AMX
-    if (tiles && blocks > 1) {
+    if (stored) {  // the new columns only (and the rest of their blocks)
+      kt = reinterpret_cast<uint16_t*>(key_tiles.data_ptr());
+      vt = reinterpret_cast<uint16_t*>(value_tiles.data_ptr());
+      per_head = stride;
+      heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt, stride, tiles_from);
+    } else if (tiles && blocks > 1) {
       static std::vector<uint16_t> laid;  // one forward at a time (the GIL is held)
       if (laid.size() < static_cast<size_t>(2 * nkv * W * hd)) laid.resize(static_cast<size_t>(2 * nkv * W * hd));
       kt = laid.data();
       vt = kt + nkv * W * hd;
-      heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt);
+      heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt, W * hd);
     }
 #endif
     at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB);
         attend_any(tiles, qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att,
-                   kt ? kt + kh * W * hd : nullptr, vt ? vt + kh * W * hd : nullptr);
+                   kt ? kt + kh * per_head : nullptr, vt ? vt + kh * per_head : nullptr);
       }
     });
   };
