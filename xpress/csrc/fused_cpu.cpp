@@ -1225,11 +1225,11 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
     uint16_t *kt = nullptr, *vt = nullptr;
     int64_t per_head = W * hd;
 #ifdef XP_AMX
-    if (stored) {  // the new columns only (and the rest of their blocks)
+    if (stored) {  // the new columns only (and the rest of their blocks); by each head's task where it has one
       kt = reinterpret_cast<uint16_t*>(key_tiles.data_ptr());
       vt = reinterpret_cast<uint16_t*>(value_tiles.data_ptr());
       per_head = stride;
-      heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt, stride, tiles_from);
+      if (blocks > 1) heads_to_tiles(kp, vp, nkv, cap, hd, L + n, kt, vt, stride, tiles_from);
     } else if (tiles && blocks > 1) {
       static std::vector<uint16_t> laid;  // one forward at a time (the GIL is held)
       if (laid.size() < static_cast<size_t>(2 * nkv * W * hd)) laid.resize(static_cast<size_t>(2 * nkv * W * hd));
@@ -1241,6 +1241,12 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
     at::parallel_for(0, nkv * blocks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t kh = t / blocks, r0 = (t % blocks) * RB, r1 = std::min(n, r0 + RB);
+#ifdef XP_AMX
+        if (stored && blocks == 1) {  // one parallel region fewer per layer for a one-token step
+          keys_to_tiles(kp + kh * cap * hd, hd, L + n, W, kt + kh * stride, tiles_from);
+          values_to_tiles(vp + kh * cap * hd, hd, L + n, W, vt + kh * stride, tiles_from);
+        }
+#endif
         attend_any(tiles, qkv, Q, kp + kh * cap * hd, vp + kh * cap * hd, hd, L, r0, r1, kh, g, nh, att,
                    kt ? kt + kh * per_head : nullptr, vt ? vt + kh * per_head : nullptr);
       }
