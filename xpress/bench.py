@@ -410,7 +410,7 @@ def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict
     mod = kernels.fused_cpu()
     if mod is None:
         return None
-    bf16 = kernels.bf16_products()
+    bf16 = target.compute_dtype == torch.bfloat16 and mod.bf16_ready()  # the target's own (not the last loaded's)
     weights = [m.weight for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     macs = sum(w.numel() for w in weights)
     weight_bytes = macs * (2 if bf16 else 4)
