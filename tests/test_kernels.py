@@ -98,7 +98,7 @@ def _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, keys, values, L, nh, n
     up rows); keys / values [nkv, L, hd] hold the cached columns. Returns the new residual stream. ``bf16``:
     the weights and every product's input rounded to bf16 first, as the AMX products do, attention's included
     (q, k, the softmax numerators and v; the denominators are sums of the unrounded numerators) unless ``tiles``
-    is False (bf16 products with AVX512-BF16: attention stays float32)."""
+    is False (``target.attention=float32``: attention stays float32)."""
     f = lambda t: t.double()
     r = (lambda t: t.to(torch.bfloat16).double()) if bf16 else f  # a product's operands
     ra = r if (bf16 if tiles is None else tiles) else f  # attention's operands
@@ -245,7 +245,7 @@ def test_layer_at_smollm2_head_shapes_is_row_invariant_and_a_llama_layer(fused, 
     assert torch.equal(together, alone) and torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
     ref = _reference_layer(h, ln1, wqkv, wo, ln2, wgu, wd, rot, cached[0, :, :L], cached[1, :, :L], L, nh, nkv, eps,
                            bf16=bf16, tiles=bf16)
-    tol = 3e-3 if bf16 else 1e-4  # the float32 attention is ~1e-2 from the bf16 reference: the tiles are checked
+    tol = 3e-3 if bf16 else 1e-4  # float32 attention is ~1e-2 from the bf16 reference: the bf16 attention is checked
     torch.testing.assert_close(together.double(), ref, rtol=tol, atol=tol)
 
 

@@ -383,8 +383,8 @@ class LeanModel:
         if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
-        # the fused bf16 layer's attention products in bf16: on AMX tiles (attend_amx in xpress/csrc/fused_cpu.cpp)
-        # or, without them, with AVX512-BF16 (attend_dp); the kernels' `tiles` argument
+        # the fused bf16 layer's attention products in bf16 (attend_bf16 in xpress/csrc/fused_cpu.cpp): on AMX
+        # tiles or, without them, with AVX512-BF16; the kernels' `tiles` argument
         self.tile_attention = (kernels is not None and bf16 and self.head_dim % 32 == 0 and attention == "auto"
                                and kernels.bf16_ready())
         # the dtype activations are cast to before a product, and the K/V cache's: the matmul dtype, except

@@ -675,7 +675,7 @@ void attend(const float* qkv, int64_t Q, const float* kb, const float* vb, int64
 // rounded to bf16 in the tiles' layouts (keys: blocks of 16 columns, pairs of head features adjacent; values:
 // pairs of key columns adjacent), which a one-sequence cache keeps (layer()'s key_tiles, value_tiles: each call
 // lays out only its new columns; without that store, a pass over the whole cache per call cost a one-token step
-// at 1,000 tokens 10% more than float32 attention). On a CPU without tiles, attend_dp() computes the same
+// at 1,000 tokens 10% more than float32 attention). On a CPU without tiles, attend_bf16() computes the same
 // products with VDPBF16PS.
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
@@ -813,7 +813,7 @@ inline void values_to_tiles(const float* vb, int64_t hd, int64_t width, int64_t 
 
 // The nkv heads' keys and values (kp, vp [nkv, cap, hd]) columns 0..width-1 in the tiles' layouts, head by
 // head, `stride` elements a head (at least W * hd, W: width rounded up to 32), the threads taking heads: what
-// attend_amx() and attend_dp() read where several of their calls share a head, or a cache's own store of the
+// attend_bf16() reads where several of its calls share a head, or a cache's own store of the
 // layouts (from: the first column not laid out there yet; the blocks before its own are kept)
 void heads_to_tiles(const float* kp, const float* vp, int64_t nkv, int64_t cap, int64_t hd, int64_t width,
                     uint16_t* kt, uint16_t* vt, int64_t stride, int64_t from = 0) {
@@ -826,101 +826,8 @@ void heads_to_tiles(const float* kp, const float* vp, int64_t nkv, int64_t cap, 
   });
 }
 
-// attend() on the tiles: the same rows, heads and outputs. kt0 / vt0: this head's keys and values already in
-// the tiles' layouts (heads_to_tiles(), over at least columns 0..L+r1-1; columns past a row's own are read
-// only as zero numerators), or nullptr to lay them out here.
-void attend_amx(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
-                int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att, const uint16_t* kt0 = nullptr,
-                const uint16_t* vt0 = nullptr) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32, KT = hd / 32;
-  uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
-  const uint16_t* kt = kt0;  // keys_to_tiles, here unless given
-  const uint16_t* vt = vt0;  // values_to_tiles, here unless given
-  float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
-  uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
-  float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
-  for (int64_t i = r0; i < r1; ++i)
-    for (int64_t j = 0; j < g; ++j) {
-      const float* q = qkv + i * Q + (kh * g + j) * hd;
-      uint16_t* dst = qb + ((i - r0) * g + j) * hd;
-      for (int64_t d = 0; d < hd; d += 32)
-        _mm512_storeu_si512(dst + d, bf16x32(_mm512_loadu_ps(q + d), _mm512_loadu_ps(q + d + 16)));
-    }
-  if (kt == nullptr) {
-    uint16_t* k = scratch<uint16_t, 11>(static_cast<size_t>(W * hd));
-    uint16_t* v = scratch<uint16_t, 12>(static_cast<size_t>(W * hd));
-    keys_to_tiles(kb, hd, width, W, k);
-    values_to_tiles(vb, hd, width, W, v);
-    kt = k;
-    vt = v;
-  }
-  for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
-    const int r = static_cast<int>(std::min<int64_t>(16, R - m));
-    amx_config(r);
-    for (int64_t cb = 0; cb < W / 16; cb += 4) {
-      const int nb = static_cast<int>(std::min<int64_t>(4, W / 16 - cb));
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t k = 0; k < KT; ++k) {
-        _tile_loadd(4, qb + m * hd + k * 32, hd * 2);
-        const uint16_t* b = kt + (cb * KT + k) * 512;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nb > 1) { _tile_loadd(6, b + KT * 512, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (nb > 2) { _tile_loadd(7, b + 2 * KT * 512, 64); _tile_dpbf16ps(2, 4, 7); }
-        if (nb > 3) { _tile_loadd(5, b + 3 * KT * 512, 64); _tile_dpbf16ps(3, 4, 5); }
-      }
-      float* o = s + m * W + cb * 16;
-      _tile_stored(0, o, W * 4);
-      if (nb > 1) _tile_stored(1, o + 16, W * 4);
-      if (nb > 2) _tile_stored(2, o + 32, W * 4);
-      if (nb > 3) _tile_stored(3, o + 48, W * 4);
-    }
-  }
-  float* den = scratch<float, 3>(static_cast<size_t>(R));
-  for (int64_t i = r0; i < r1; ++i)  // per row: softmax over its columns 0..L+i, numerators to bf16 (0 past)
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t row = (i - r0) * g + j, cols = L + i + 1;
-      float* sr = s + row * W;
-      den[row] = softmax_numerators16(sr, cols, scale);
-      uint16_t* pr = pb + row * W;
-      for (int64_t c = 0; c < W; c += 32)
-        _mm512_storeu_si512(pr + c, bf16x32(_mm512_maskz_loadu_ps(first(cols - c), sr + c),
-                                            _mm512_maskz_loadu_ps(first(cols - c - 16), sr + c + 16)));
-    }
-  for (int64_t m = 0; m < R; m += 16) {  // outputs: 16 rows x 64 features a pass (tmm0-3), over the columns
-    amx_config(static_cast<int>(std::min<int64_t>(16, R - m)));
-    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-      const int nd = static_cast<int>(std::min<int64_t>(4, (hd - d0) / 16));
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t c = 0; c < W; c += 32) {
-        _tile_loadd(4, pb + m * W + c, W * 2);
-        const uint16_t* b = vt + ((c / 32) * (hd / 16) + d0 / 16) * 512;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nd > 1) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (nd > 2) { _tile_loadd(7, b + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
-        if (nd > 3) { _tile_loadd(5, b + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
-      }
-      float* o = num + m * hd + d0;
-      _tile_stored(0, o, hd * 4);
-      if (nd > 1) _tile_stored(1, o + 16, hd * 4);
-      if (nd > 2) _tile_stored(2, o + 32, hd * 4);
-      if (nd > 3) _tile_stored(3, o + 48, hd * 4);
-    }
-  }
-  _tile_release();
-  for (int64_t i = r0; i < r1; ++i)
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t row = (i - r0) * g + j;
-      const __m512 inv = _mm512_set1_ps(1.0f / den[row]);
-      float* o = att + i * nh * hd + (kh * g + j) * hd;
-      for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(num + row * hd + d), inv));
-    }
-}
-// ------------------------------------------------------ attention with AVX512-BF16 (no tiles): attend_dp
-// The tiles' attention on a CPU without them: the same bf16 operands in the same layouts (keys_to_tiles,
-// values_to_tiles), each product VDPBF16PS on 16 lanes. A score (16 columns a vector) sums its head's feature
+// The tiles' attention products on a CPU without them (attend_bf16 with amx false): the same bf16 operands in
+// the same layouts (keys_to_tiles, values_to_tiles), each product VDPBF16PS on 16 lanes. A score (16 columns a vector) sums its head's feature
 // pairs in order from zero; an output (16 features a vector) sums its column pairs in order from zero, the
 // numerators past the row's own columns exact zeros: so whatever the rows in the call, each row computes
 // the same instructions on the same values (row-invariant). The blocks of rows (4, 2, 1) and of columns only
@@ -986,15 +893,18 @@ inline void dp_values_rows(const uint16_t* pb, int64_t m, int64_t R, int64_t W, 
   if constexpr (MR > 1) if (m < R) dp_values_rows<MR / 2>(pb, m, R, W, vt, hd, num);
 }
 
-// attend_amx() with VDPBF16PS: the same rows, heads, layouts and outputs (kt0 / vt0 as there)
-void attend_dp(const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L, int64_t r0,
-               int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att, const uint16_t* kt0 = nullptr,
-               const uint16_t* vt0 = nullptr) {
+// attend() with bf16 products: the same rows, heads and outputs; on the AMX tiles (amx) or with VDPBF16PS
+// (dp_scores_rows, dp_values_rows). kt0 / vt0: this head's keys and values already in the tiles' layouts
+// (heads_to_tiles(), or a cache's store, over at least columns 0..L+r1-1; columns past a row's own are read
+// only as zero numerators), or nullptr to lay them out here.
+void attend_bf16(bool amx, const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd, int64_t L,
+                 int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att, const uint16_t* kt0 = nullptr,
+                 const uint16_t* vt0 = nullptr) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32;
+  const int64_t R = (r1 - r0) * g, width = L + r1, W = (width + 31) / 32 * 32, KT = hd / 32;
   uint16_t* qb = scratch<uint16_t, 10>(static_cast<size_t>(R * hd));   // [R, hd]: row (i - r0) g + j
-  const uint16_t* kt = kt0;
-  const uint16_t* vt = vt0;
+  const uint16_t* kt = kt0;  // keys_to_tiles, here unless given
+  const uint16_t* vt = vt0;  // values_to_tiles, here unless given
   float* s = scratch<float, 1>(static_cast<size_t>(R * W));            // [R, W] scores, then numerators
   uint16_t* pb = scratch<uint16_t, 13>(static_cast<size_t>(R * W));    // [R, W] numerators in bf16
   float* num = scratch<float, 2>(static_cast<size_t>(R * hd));         // [R, hd]
@@ -1013,7 +923,32 @@ void attend_dp(const float* qkv, int64_t Q, const float* kb, const float* vb, in
     kt = k;
     vt = v;
   }
-  dp_scores_rows<4>(qb, 0, R, hd, kt, s, W);
+  if (amx) {
+    for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
+      const int r = static_cast<int>(std::min<int64_t>(16, R - m));
+      amx_config(r);
+      for (int64_t cb = 0; cb < W / 16; cb += 4) {
+        const int nb = static_cast<int>(std::min<int64_t>(4, W / 16 - cb));
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < KT; ++k) {
+          _tile_loadd(4, qb + m * hd + k * 32, hd * 2);
+          const uint16_t* b = kt + (cb * KT + k) * 512;
+          _tile_loadd(5, b, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nb > 1) { _tile_loadd(6, b + KT * 512, 64); _tile_dpbf16ps(1, 4, 6); }
+          if (nb > 2) { _tile_loadd(7, b + 2 * KT * 512, 64); _tile_dpbf16ps(2, 4, 7); }
+          if (nb > 3) { _tile_loadd(5, b + 3 * KT * 512, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        float* o = s + m * W + cb * 16;
+        _tile_stored(0, o, W * 4);
+        if (nb > 1) _tile_stored(1, o + 16, W * 4);
+        if (nb > 2) _tile_stored(2, o + 32, W * 4);
+        if (nb > 3) _tile_stored(3, o + 48, W * 4);
+      }
+    }
+  } else {
+    dp_scores_rows<4>(qb, 0, R, hd, kt, s, W);
+  }
   float* den = scratch<float, 3>(static_cast<size_t>(R));
   for (int64_t i = r0; i < r1; ++i)  // per row: softmax over its columns 0..L+i, numerators to bf16 (0 past)
     for (int64_t j = 0; j < g; ++j) {
@@ -1025,7 +960,32 @@ void attend_dp(const float* qkv, int64_t Q, const float* kb, const float* vb, in
         _mm512_storeu_si512(pr + c, bf16x32(_mm512_maskz_loadu_ps(first(cols - c), sr + c),
                                             _mm512_maskz_loadu_ps(first(cols - c - 16), sr + c + 16)));
     }
-  dp_values_rows<4>(pb, 0, R, W, vt, hd, num);
+  if (amx) {
+    for (int64_t m = 0; m < R; m += 16) {  // outputs: 16 rows x 64 features a pass (tmm0-3), over the columns
+      amx_config(static_cast<int>(std::min<int64_t>(16, R - m)));
+      for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+        const int nd = static_cast<int>(std::min<int64_t>(4, (hd - d0) / 16));
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t c = 0; c < W; c += 32) {
+          _tile_loadd(4, pb + m * W + c, W * 2);
+          const uint16_t* b = vt + ((c / 32) * (hd / 16) + d0 / 16) * 512;
+          _tile_loadd(5, b, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nd > 1) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+          if (nd > 2) { _tile_loadd(7, b + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+          if (nd > 3) { _tile_loadd(5, b + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        float* o = num + m * hd + d0;
+        _tile_stored(0, o, hd * 4);
+        if (nd > 1) _tile_stored(1, o + 16, hd * 4);
+        if (nd > 2) _tile_stored(2, o + 32, hd * 4);
+        if (nd > 3) _tile_stored(3, o + 48, hd * 4);
+      }
+    }
+    _tile_release();
+  } else {
+    dp_values_rows<4>(pb, 0, R, W, vt, hd, num);
+  }
   for (int64_t i = r0; i < r1; ++i)
     for (int64_t j = 0; j < g; ++j) {
       const int64_t row = (i - r0) * g + j;
@@ -1051,13 +1011,12 @@ inline void silu_panel(const float* gu, float* act) {
   }
 }
 
-// attend() or attend_amx() (tiles: bf16 weights on AMX, the head width a multiple of 32)
+// attend() or attend_bf16() (tiles: bf16 weights on AMX tiles or with AVX512-BF16, the head width a multiple of 32)
 inline void attend_any(bool tiles, const float* qkv, int64_t Q, const float* kb, const float* vb, int64_t hd,
                        int64_t L, int64_t r0, int64_t r1, int64_t kh, int64_t g, int64_t nh, float* att,
                        const uint16_t* kt = nullptr, const uint16_t* vt = nullptr) {
 #ifdef XP_AMX
-  if (tiles && amx_ready()) return attend_amx(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
-  if (tiles) return attend_dp(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
+  if (tiles) return attend_bf16(amx_ready(), qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att, kt, vt);
 #endif
   attend(qkv, Q, kb, vb, hd, L, r0, r1, kh, g, nh, att);
 }
@@ -1188,7 +1147,8 @@ void check_tiles(bool tiles, const torch::Tensor& wqkv, int64_t hd) {
 // One decoder layer on the residual stream h [n, H] (returned updated, a new tensor); writes the n new keys
 // and values into columns L..L+n-1 of keys / values [nkv, cap, hd]. rot [n, hd / 2, 2] holds (cos, sin) of
 // each row's position, the q / k weight rows reordered so that each rotated pair is adjacent. tiles: the
-// attention's products on AMX tiles in bf16 (attend_amx), else in float32 (attend).
+// attention's products in bf16 (attend_bf16: on AMX tiles, else with AVX512-BF16), else in float32 (attend);
+// key_tiles, value_tiles, tiles_from: the cache's store of the bf16 layouts (see below), or empty tensors.
 torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                     const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                     const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,
