@@ -827,11 +827,11 @@ void heads_to_tiles(const float* kp, const float* vp, int64_t nkv, int64_t cap, 
 }
 
 // The tiles' attention products on a CPU without them (attend_bf16 with amx false): the same bf16 operands in
-// the same layouts (keys_to_tiles, values_to_tiles), each product VDPBF16PS on 16 lanes. A score (16 columns a vector) sums its head's feature
-// pairs in order from zero; an output (16 features a vector) sums its column pairs in order from zero, the
-// numerators past the row's own columns exact zeros: so whatever the rows in the call, each row computes
-// the same instructions on the same values (row-invariant). The blocks of rows (4, 2, 1) and of columns only
-// decide how many vectors share a load.
+// the same layouts (keys_to_tiles, values_to_tiles), each product VDPBF16PS on 16 lanes. A score (16 columns a
+// vector) sums its head's feature pairs in order from zero; an output (16 features a vector) sums its column
+// pairs in order from zero, the numerators past the row's own columns exact zeros: so whatever the rows in the
+// call, each row computes the same instructions on the same values (row-invariant). The blocks of rows (4, 2, 1)
+// and of columns only decide how many vectors share a load.
 template <int MR, int NC>
 inline void dp_scores(const uint16_t* qb, int64_t hd, const uint16_t* kt, int64_t cb, float* s, int64_t W) {
   const int64_t KT = hd / 32, H2 = hd / 2;
