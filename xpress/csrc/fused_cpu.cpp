@@ -1511,27 +1511,34 @@ torch::Tensor markov_steps(int64_t anchor_row, const torch::Tensor& w1, const to
 }
 
 // ------------------------------------------------------------------------------------- machine roof
+// Seconds for every torch thread to run body(t) once at the same time (t: the thread's index, 0..T-1): the
+// frame of the register-chain rates below
+template <class Body>
+double on_every_thread(Body body) {
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) body(t);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // Float32 multiply-adds per second that every thread together sustains on twelve independent FMA chains
 // held in registers (no memory traffic): the arithmetic roof of linear(), which no float32 product exceeds.
 double fma_rate(int64_t iters) {
   const int64_t T = at::get_num_threads();
   std::vector<float> sink(static_cast<size_t>(T * 8));
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
-    for (int64_t t = a; t < b; ++t) {
-      const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.9999999f);
-      __m256 acc[12];
-      for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i + t));
-      for (int64_t it = 0; it < iters; ++it) {
+  const double seconds = on_every_thread([&](int64_t t) {
+    const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.9999999f);
+    __m256 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i + t));
+    for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
-        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(x, y, acc[i]);
-      }
-      __m256 s = acc[0];
-      for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
-      _mm256_storeu_ps(sink.data() + t * 8, s);
+      for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(x, y, acc[i]);
     }
+    __m256 s = acc[0];
+    for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
+    _mm256_storeu_ps(sink.data() + t * 8, s);
   });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   volatile float keep = sink[0];  // the chains' results are used
   (void)keep;
   return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 8.0 / seconds;
@@ -1546,22 +1553,18 @@ double fma_rate(int64_t iters) {
 double bf16_dot_rate_wide(int64_t iters) {
   const int64_t T = at::get_num_threads();
   std::vector<float> sink(static_cast<size_t>(T * 16));
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
-    for (int64_t t = a; t < b; ++t) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x00010001);
-      __m512 acc[12];
-      for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i + t));
-      for (int64_t it = 0; it < iters; ++it) {
+  const double seconds = on_every_thread([&](int64_t t) {
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x00010001);
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i + t));
+    for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
-        for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
-      }
-      __m512 s = acc[0];
-      for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
-      _mm512_storeu_ps(sink.data() + t * 16, s);
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
     }
+    __m512 s = acc[0];
+    for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+    _mm512_storeu_ps(sink.data() + t * 16, s);
   });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   volatile float keep = sink[0];
   (void)keep;
   return static_cast<double>(T) * static_cast<double>(iters) * 12.0 * 32.0 / seconds;
