@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,8 +30,8 @@ from xpress.targets import target_forward
 from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
                                  teacher_forced_acceptance)
 from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, stage_signature,
-                               step_generator, step_rows, train, training_rows)
-from xpress.train.regenerate import RegenData, regenerate
+                               step_generator, step_rows, teacher_forced_val, train, training_rows)
+from xpress.train.regenerate import RegenData, RegenerationError, regenerate
 
 DATA = ["data.n_train_prompts=8", "data.n_val_prompts=2", "data.regen_max_new_tokens=16", "data.regen_shard_size=4"]
 # every training knob the tests rely on, so that edits of configs/smoke.yaml do not change them
@@ -582,6 +583,39 @@ def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monke
     rows = json.loads((paths.RESULTS / "smoke" / "levers.json").read_text())["rows"]
     assert len(rows) == 3 and sum(bool(r.get("init")) for r in rows) == 1  # same lever and steps, two rows
     assert all(not r.get("init") for r in lever_rows({"rows": rows}))  # the from-scratch figure: its own rows
+
+
+def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root, data, target, monkeypatch):
+    """--gap --against ROOT: this run's and ROOT's trained stages, each scored on both runs' validation
+    splits (here ROOT's data are a link to this run's, so a stage scores the same on both, and ROOT's stage,
+    trained at a negligible learning rate, is a different drafter whose scores are its own)."""
+    from xpress.studies.levers import generalisation_gap, main as levers_main
+
+    monkeypatch.setattr("xpress.studies.levers.load_config", lambda preset, overrides=(): small(*overrides))
+    other = root / "gap-other"
+    (other / "data").mkdir(parents=True, exist_ok=True)
+    if not (other / "data" / "smoke").exists():
+        (other / "data" / "smoke").symlink_to(root / "data" / "smoke")
+    monkeypatch.setattr(paths, "CHECKPOINTS", other / "checkpoints")
+    train(small("train.warm_start_steps=2", "train.lr=1e-30"), "dflash", progress=False, overwrite=True)
+    _where(monkeypatch, root, "gap-this")
+    train(small("train.warm_start_steps=2"), "dflash", progress=False, overwrite=True)
+
+    got = generalisation_gap("smoke", stages=("warmstart",), target=target, against=other)
+    swap = {(r["checkpoints"], r["data"]): r["val_tf_tau"] for r in got["swap"]}
+    assert set(swap) == {(c, d) for c in ("this", "against") for d in ("this", "against")}
+    assert swap["this", "this"] == swap["this", "against"] == got["rows"][0]["val_tf_tau"]
+    md = load_drafter(other / "checkpoints" / "smoke" / "warmstart", "dflash", small(), target)
+    theirs = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, small())["tf_tau"]
+    assert swap["against", "this"] == swap["against", "against"] == theirs
+    assert set(got["regenerated_at"]) == {"this", "against"}
+    assert RegenData.load(small(), data_root=other / "data").folder == other / "data" / "smoke" / "regen"
+    missing = root / "nowhere"
+    with pytest.raises(RegenerationError, match=re.escape(f"no complete regenerated data at {missing / 'data'}")):
+        generalisation_gap("smoke", stages=("warmstart",), target=target, against=missing)
+    assert json.loads((paths.RESULTS / "smoke" / "generalisation.json").read_text())["swap"] == got["swap"]
+    with pytest.raises(SystemExit):
+        levers_main(["--preset", "smoke", "--against", str(other)])  # --against alone: an argparse error
 
 
 def test_data_scaling_curve_and_its_fit():

@@ -7,6 +7,7 @@ with the run's own stage costs).
     python -m xpress.studies.levers --preset cpu --steps 2800 base train.train_sequences=300 ...  # data scaling
     python -m xpress.studies.levers --preset cpu --method xpress --from-warm-start base train.gamma=2 ...  # co-training
     python -m xpress.studies.levers --preset cpu --gap     # trained stages: training vs held-out acceptance
+    python -m xpress.studies.levers --preset cpu --gap --against ../other-clone   # and both runs' splits, swapped
 
 Each lever is ``name`` (the preset as is) or ``key=value`` (one override). A run trains the ``dflash``
 drafter for ``--steps`` steps into ``checkpoints/<preset>/levers/<name>-<steps>steps/`` (never the real
@@ -194,13 +195,17 @@ def trained_by(row: dict) -> dict[str, Any]:
 
 
 def generalisation_gap(preset: str, stages: Sequence[str] = ("warmstart", "dflash", "markov", "xpress"),
-                       target=None) -> dict[str, Any]:
+                       target=None, against: Path | None = None) -> dict[str, Any]:
     """Teacher-forced acceptance of the trained stages on the validation split and on as many TRAINING
     sequences (the first ones), with the same fixed anchors: the gap says how much of the training accuracy
-    is memorised. Writes ``results/<preset>/generalisation.json``; stages without a checkpoint are left out."""
-    from ..proposer import load_drafter
+    is memorised. Writes ``results/<preset>/generalisation.json``; stages without a checkpoint are left out.
+
+    ``against``: another run's root (e.g. a clone after ``make reproduce``, with its ``data/`` and
+    ``checkpoints/``). The result then also has ``swap`` rows: each run's stages scored on both runs'
+    validation splits, which tells a change of the drafters (rows of one ``data``) from a change of the
+    validation answers themselves (rows of one ``checkpoints``) when two runs regenerated different data."""
     from ..targets import load_target
-    from ..train.loop import CoTrainer, checkpoint_dir, read_state, teacher_forced_val
+    from ..train.loop import read_state, teacher_forced_val
     from ..train.regenerate import RegenData
     from ..utils import atomic_write_json, provenance
 
@@ -208,22 +213,44 @@ def generalisation_gap(preset: str, stages: Sequence[str] = ("warmstart", "dflas
     data = RegenData.load(cfg)
     target = target or load_target(cfg)
     seen = data.indices("train")[:len(data.indices("val"))]
-    rows = []
+    runs = {"this": (paths.CHECKPOINTS, data)}
+    if against is not None:
+        against = Path(against).expanduser().resolve()
+        runs["against"] = (against / "checkpoints", RegenData.load(cfg, data_root=against / "data"))
+    rows, swap = [], []
     for stage in stages:
-        state = read_state(checkpoint_dir(cfg, stage))
-        if not (state and state.get("complete")):
-            continue
-        md = load_drafter(checkpoint_dir(cfg, stage), state["method"], cfg, target)
-        module = CoTrainer(md.drafter, md.head, md.vocab)
-        val, train = teacher_forced_val(module, data, cfg), teacher_forced_val(module, data, cfg, rows=seen)
-        rows.append({"stage": stage, "method": state["method"], "steps": state["step"],
-                     "val_tf_tau": val["tf_tau"], "train_tf_tau": train["tf_tau"],
-                     "val_tf_tau_base": val["tf_tau_base"], "train_tf_tau_base": train["tf_tau_base"],
-                     "val_blocks": val["blocks"], "train_blocks": train["blocks"]})
+        for name, (checkpoints, _) in runs.items():
+            folder = checkpoints / preset / stage
+            state = read_state(folder)
+            if not (state and state.get("complete")):
+                continue
+            module = _trained_module(folder, state["method"], cfg, target)
+            scores = {on: teacher_forced_val(module, split, cfg) for on, (_, split) in runs.items()}
+            swap += [{"stage": stage, "checkpoints": name, "data": on, "val_tf_tau": v["tf_tau"],
+                      "val_tf_tau_base": v["tf_tau_base"], "val_blocks": v["blocks"]} for on, v in scores.items()]
+            if name == "this":
+                val, train = scores["this"], teacher_forced_val(module, data, cfg, rows=seen)
+                rows.append({"stage": stage, "method": state["method"], "steps": state["step"],
+                             "val_tf_tau": val["tf_tau"], "train_tf_tau": train["tf_tau"],
+                             "val_tf_tau_base": val["tf_tau_base"], "train_tf_tau_base": train["tf_tau_base"],
+                             "val_blocks": val["blocks"], "train_blocks": train["blocks"]})
     result = {"what": "teacher-forced acceptance (fixed anchors) on held-out vs training sequences",
               "train_sequences": len(seen), "rows": rows, "provenance": provenance(preset)}
+    if against is not None:
+        result["swap"] = swap
+        result["regenerated_at"] = {name: (split.manifest or {}).get("provenance", {}).get("git_revision")
+                                    for name, (_, split) in runs.items()}
     atomic_write_json(paths.RESULTS / preset / "generalisation.json", result)
     return result
+
+
+def _trained_module(folder: Path, method: str, cfg: Config, target):
+    """A trained stage's drafter and head as the :class:`xpress.train.loop.CoTrainer` that scores them."""
+    from ..proposer import load_drafter
+    from ..train.loop import CoTrainer
+
+    md = load_drafter(folder, method, cfg, target)
+    return CoTrainer(md.drafter, md.head, md.vocab)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -239,12 +266,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode-prompts", type=int, default=8, help="validation prompts decoded per lever (0: none)")
     ap.add_argument("--gap", action="store_true", help="also score the trained stages on training vs "
                     "validation sequences (results/<preset>/generalisation.json)")
+    ap.add_argument("--against", type=Path, default=None, metavar="ROOT",
+                    help="with --gap: also score this run's and another run's stages (ROOT/checkpoints, ROOT/data, "
+                    "e.g. another clone after make reproduce) on both runs' validation splits")
     ap.add_argument("levers", nargs="*", help="base, or key=value overrides, one lever each")
     args = ap.parse_args(argv)
+    if args.against is not None and not args.gap:
+        ap.error("--against compares the trained stages' validation scores: add --gap")
     if args.gap:
-        for r in generalisation_gap(args.preset)["rows"]:
+        gap = generalisation_gap(args.preset, against=args.against)
+        for r in gap["rows"]:
             print(f"{r['stage']}: teacher-forced tau {r['train_tf_tau']:.2f} on training sequences, "
                   f"{r['val_tf_tau']:.2f} on held-out ones", flush=True)
+        for r in gap.get("swap", []):
+            print(f"{r['stage']}: {r['checkpoints']} run's checkpoint on the {r['data']} run's validation split, "
+                  f"teacher-forced tau {r['val_tf_tau']:.3f}", flush=True)
     if not args.levers:
         return 0
     if args.method != "dflash" and not args.from_warm_start:

@@ -495,9 +495,11 @@ class RegenData:
                                  for k in ("features", "hidden", "lse") if (shard / f"{k}.npy").is_file()})
 
     @classmethod
-    def load(cls, cfg: Config, require_complete: bool = True) -> "RegenData":
-        """The preset's regenerated data; :class:`RegenerationError` when missing, incomplete or stale."""
-        folder = regen_dir(cfg)
+    def load(cls, cfg: Config, require_complete: bool = True, data_root: Path | None = None) -> "RegenData":
+        """The preset's regenerated data; :class:`RegenerationError` when missing, incomplete or stale.
+        ``data_root``: read ``<data_root>/<preset>/regen`` instead of :data:`xpress.paths.DATA`'s (another
+        run's data, e.g. another clone's ``data/``)."""
+        folder = regen_dir(cfg) if data_root is None else Path(data_root) / cfg.preset / "regen"
         manifest_file = folder / MANIFEST
         if require_complete:
             if not manifest_file.is_file():
