@@ -603,12 +603,12 @@ def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root
 
     got = generalisation_gap("smoke", stages=("warmstart",), target=target, against=other)
     swap = {(r["checkpoints"], r["data"]): r["val_tf_tau"] for r in got["swap"]}
-    assert set(swap) == {(c, d) for c in ("this", "against") for d in ("this", "against")}
-    assert swap["this", "this"] == swap["this", "against"] == got["rows"][0]["val_tf_tau"]
+    assert set(swap) == {(c, d) for c in ("this", "other") for d in ("this", "other")}
+    assert swap["this", "this"] == swap["this", "other"] == got["rows"][0]["val_tf_tau"]
     md = load_drafter(other / "checkpoints" / "smoke" / "warmstart", "dflash", small(), target)
     theirs = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, small())["tf_tau"]
-    assert swap["against", "this"] == swap["against", "against"] == theirs
-    assert set(got["regenerated_at"]) == {"this", "against"}
+    assert swap["other", "this"] == swap["other", "other"] == theirs
+    assert set(got["regenerated_at"]) == {"this", "other"}
     assert RegenData.load(small(), data_root=other / "data").folder == other / "data" / "smoke" / "regen"
     missing = root / "nowhere"
     with pytest.raises(RegenerationError, match=re.escape(f"no complete regenerated data at {missing / 'data'}")):

@@ -216,7 +216,7 @@ def generalisation_gap(preset: str, stages: Sequence[str] = ("warmstart", "dflas
     runs = {"this": (paths.CHECKPOINTS, data)}
     if against is not None:
         against = Path(against).expanduser().resolve()
-        runs["against"] = (against / "checkpoints", RegenData.load(cfg, data_root=against / "data"))
+        runs["other"] = (against / "checkpoints", RegenData.load(cfg, data_root=against / "data"))
     rows, swap = [], []
     for stage in stages:
         for name, (checkpoints, _) in runs.items():
@@ -279,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r['stage']}: teacher-forced tau {r['train_tf_tau']:.2f} on training sequences, "
                   f"{r['val_tf_tau']:.2f} on held-out ones", flush=True)
         for r in gap.get("swap", []):
-            print(f"{r['stage']}: {r['checkpoints']} run's checkpoint on the {r['data']} run's validation split, "
+            whose = {"this": "this run's", "other": "the other run's"}
+            print(f"{r['stage']}: {whose[r['checkpoints']]} checkpoint on {whose[r['data']]} validation split, "
                   f"teacher-forced tau {r['val_tf_tau']:.3f}", flush=True)
     if not args.levers:
         return 0
