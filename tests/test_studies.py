@@ -117,15 +117,21 @@ def test_a_failed_run_records_the_notebooks_that_finished(tmp_path, monkeypatch)
 
     monkeypatch.setattr(paths, "RESULTS", tmp_path)
 
-    def execute(src, out, **kw):  # the first notebook runs, the second fails
+    import nbformat
+
+    def execute(src, out, **kw):  # the first notebook runs (papermill records the paths as given), the second fails
         if "01_" in src:
             raise pm.PapermillExecutionError(3, 3, "source", "ValueError", "bad", [])
+        nbformat.write(nbformat.v4.new_notebook(metadata={"papermill": {"input_path": src, "output_path": out}}), out)
 
     monkeypatch.setattr(pm, "execute_notebook", execute)
     with pytest.raises(pipeline.NotebookFailed, match="01_data_regeneration.ipynb failed in cell 3"):
         pipeline.run_notebooks("smoke", only=["00_", "01_"])
     run = json.loads((tmp_path / "smoke" / "run.json").read_text())
     assert run["partial"] and list(run["notebook_seconds"]) == ["00_environment"]
+    record = nbformat.read(tmp_path / "smoke" / "executed" / "00_environment.ipynb", as_version=4).metadata.papermill
+    assert (record.input_path, record.output_path) == ("notebooks/00_environment.ipynb",
+                                                       "$XPRESS_RESULTS/smoke/executed/00_environment.ipynb")
 
 
 def test_readme_results_agree_with_files():

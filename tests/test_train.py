@@ -386,6 +386,31 @@ def test_a_warm_start_signed_the_old_way_is_kept(root, data, monkeypatch):
         train(cfg, "dflash", progress=False)
 
 
+def test_moved_checkpoints_are_still_this_stage(root, data, monkeypatch):
+    """A co-training stage signs its start (the warm start's folder) as paths.portable shows it, so checkpoints
+    moved with their clone (or to another $XPRESS_CHECKPOINTS) are still complete, and the stage log names no
+    folder of this machine; a stage signed with the absolute path (before 2026-12-05) is kept too."""
+    cfg = small("train.warm_start_steps=2", "train.steps=2")
+    before = _where(monkeypatch, root, "moved-from") / "xpress"
+    assert train(cfg, "xpress", progress=False)["xpress"]["complete"]
+    log = json.loads((paths.RESULTS / "smoke" / "train_xpress.json").read_text())
+    assert log["checkpoint"] == "$XPRESS_CHECKPOINTS/smoke/xpress"
+    assert log["signature"]["init"] == "$XPRESS_CHECKPOINTS/smoke/warmstart"
+    after = root / "moved-to" / "checkpoints"
+    shutil.copytree(before.parents[1], after, dirs_exist_ok=True)
+    monkeypatch.setattr(paths, "CHECKPOINTS", after)
+    assert train(cfg, "xpress", progress=False)["xpress"]["skipped"]  # not refused as another config
+    state_file = after / "smoke" / "xpress" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    from xpress.train.regenerate import config_hash
+
+    old = stage_signature(cfg, "xpress", "xpress", 2, str(after / "smoke" / "warmstart"), init_as_given=True)
+    assert old["init"] == str(after / "smoke" / "warmstart")
+    state["signature_hash"] = config_hash(old)
+    state_file.write_text(json.dumps(state))
+    assert train(cfg, "xpress", progress=False)["xpress"]["skipped"]
+
+
 def test_refiner_only_keeps_the_drafter(root, data, monkeypatch):
     """train.refiner_only: the drafter (here the warm start) stays bit-identical, only the head trains."""
     cfg = small("train.warm_start_steps=2", "train.refiner_only=true")

@@ -29,3 +29,16 @@ def resolve(path: str | os.PathLike) -> Path:
     """A path relative to the repository root (absolute paths are kept)."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else REPO_ROOT / p
+
+
+def portable(path: str | os.PathLike) -> str:
+    """``path`` as result files and notebooks show it, without this machine's folders: relative to the
+    repository root inside it, else relative to the redirected root it is under (``$XPRESS_CHECKPOINTS/...``,
+    ``$XPRESS_DATA/...``, ``$XPRESS_RESULTS/...``), else as given (a hub name, a folder elsewhere)."""
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        return str(path)
+    for root, name in ((CHECKPOINTS, "XPRESS_CHECKPOINTS"), (DATA, "XPRESS_DATA"), (RESULTS, "XPRESS_RESULTS")):
+        if p.is_relative_to(root) and not root.is_relative_to(REPO_ROOT):
+            return f"${name}/{p.relative_to(root).as_posix()}"
+    return p.relative_to(REPO_ROOT).as_posix() if p.is_relative_to(REPO_ROOT) else str(path)

@@ -81,8 +81,7 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
     t_all = time.perf_counter()
     for nb in books:
         out = out_dir / nb.name
-        shown = out.relative_to(paths.REPO_ROOT) if out.is_relative_to(paths.REPO_ROOT) else out
-        print(f"[xpress] running {nb.name} on preset {preset} -> {shown}", flush=True)
+        print(f"[xpress] running {nb.name} on preset {preset} -> {paths.portable(out)}", flush=True)
         t0 = time.perf_counter()
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, kernel_name=kernel,
@@ -92,12 +91,28 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
             raise NotebookFailed(f"{nb.name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); the executed "
                                  f"copy with the traceback is {out}") from None
         seconds = round(time.perf_counter() - t0, 1)
+        _portable_paths(out)
         prov = provenance(preset)
         times[nb.stem] = {"seconds": seconds, "git_revision": prov["git_revision"], "date": prov["date"]}
         print(f"[xpress] {nb.name}: {seconds:.0f} s", flush=True)
         done.append(out)
     write_run_record(preset, overrides, times, None if only else round(time.perf_counter() - t_all, 1))
     return done
+
+
+def _portable_paths(notebook: Path) -> None:
+    """papermill records the input and output paths as given (this machine's folders); keep them as
+    :func:`xpress.paths.portable` shows them, so an executed notebook reads the same from any clone."""
+    import nbformat
+
+    from .utils import atomic_write
+
+    nb = nbformat.read(notebook, as_version=4)
+    record = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if record.get(key):
+            record[key] = paths.portable(record[key])
+    atomic_write(notebook, lambda tmp: nbformat.write(nb, str(tmp)))
 
 
 def write_run_record(preset: str, overrides: Sequence[str], times: dict[str, dict], total: float | None) -> None:

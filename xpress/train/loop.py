@@ -340,18 +340,22 @@ COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor
 
 
 def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None,
-                    every_key: bool = False) -> dict[str, Any]:
+                    every_key: bool = False, init_as_given: bool = False) -> dict[str, Any]:
     """What makes a stage's result: config sections, data, method, steps and its starting point.
 
     A plain drafter trained from scratch (the warm start, a from-scratch lever) reads neither the head
     section nor the co-training keys (:data:`COTRAINING_ONLY`), so changing those does not retrain it. A
     co-training stage keeps all of ``train``: it names its start only by folder, and ``warm_start_steps``
     and the rest of the recipe stand in for what that folder holds. ``every_key``: keep them all, as
-    checkpoints written before 2026-12-04 were signed (still accepted: :func:`run_stage`)."""
+    checkpoints written before 2026-12-04 were signed (still accepted: :func:`run_stage`). ``init`` is signed
+    as :func:`xpress.paths.portable` shows it, so that a moved clone resumes; ``init_as_given``: the path
+    as passed, as checkpoints written before 2026-12-05 were signed (still accepted)."""
     train, head = asdict(cfg.train), asdict(cfg.head)
     if method == "dflash" and init is None and not every_key:
         train = {k: v for k, v in train.items() if k not in COTRAINING_ONLY}
         head = None
+    if init is not None and not init_as_given:
+        init = paths.portable(init)
     return {"stage": stage, "method": method, "steps": steps, "init": init, "seed": cfg.seed,
             "drafter": asdict(cfg.drafter), "head": head, "train": train,
             "data": config_hash(regen_signature(cfg))}
@@ -540,8 +544,8 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
     folder = checkpoint_dir(cfg, stage)
     signature = stage_signature(cfg, stage, method, steps, init)
-    state = _resumable_state(folder, [signature, stage_signature(cfg, stage, method, steps, init, every_key=True)],
-                             overwrite)
+    state = _resumable_state(folder, [stage_signature(cfg, stage, method, steps, init, every_key=e, init_as_given=g)
+                                      for e in (False, True) for g in (False, True)], overwrite)
     if state is not None and state.get("complete"):
         return {"stage": stage, "method": method, "skipped": True, **state}
 
@@ -617,7 +621,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "mixed_precision": accelerator.mixed_precision, "train_sequences": len(train_rows),
                "train_response_tokens": data.answer_tokens(train_rows),
-               "final_val": final_eval, "checkpoint": str(folder), "skipped": False}
+               "final_val": final_eval, "checkpoint": paths.portable(folder), "skipped": False}
     if main and write_log:
         _write_stage_log(cfg, stage, summary, log, signature, world)
     if interrupted:
