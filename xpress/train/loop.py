@@ -407,6 +407,13 @@ def resolve_mixed_precision(name: str) -> str:
     return name
 
 
+def _accepted_signatures(cfg: Config, stage: str, method: str, steps: int, init: str | None) -> list[dict]:
+    """The signatures under which a checkpoint continues this stage: today's, and the older forms
+    (:func:`stage_signature`'s ``every_key`` and ``init_as_given``)."""
+    return [stage_signature(cfg, stage, method, steps, init, every_key=e, init_as_given=g)
+            for e in (False, True) for g in (False, True)]
+
+
 def _resumable_state(folder: Path, signatures: list[dict], overwrite: bool) -> dict | None:
     """The state of ``folder``'s checkpoint if it continues this stage (one of its ``signatures``), else None;
     a checkpoint of another signature is a TrainingError unless ``overwrite`` (then the stage starts over)."""
@@ -544,8 +551,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
     folder = checkpoint_dir(cfg, stage)
     signature = stage_signature(cfg, stage, method, steps, init)
-    state = _resumable_state(folder, [stage_signature(cfg, stage, method, steps, init, every_key=e, init_as_given=g)
-                                      for e in (False, True) for g in (False, True)], overwrite)
+    state = _resumable_state(folder, _accepted_signatures(cfg, stage, method, steps, init), overwrite)
     if state is not None and state.get("complete"):
         return {"stage": stage, "method": method, "skipped": True, **state}
 
