@@ -179,6 +179,7 @@ def test_masks_splits_and_manifest(data, small_cfg, reference, target):
     assert sum(m["finish_reasons"].values()) == 10
     assert {"preset", "git_revision", "date", "machine", "torch"} <= set(m["provenance"])
     assert m["provenance"]["preset"] == "smoke"
+    assert json.loads((reference.parents[2] / "results" / "smoke" / "regen_manifest.json").read_text()) == m
 
 
 # -------------------------------------------------------------------------------------------- resume
@@ -216,13 +217,17 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path, reference):
 
     _assert_same_shards(folder, reference)
 
-    # a complete run rerun does nothing
+    # a complete run rerun does nothing, but the results' copy of the manifest is this data's again
     stamp = _mtimes(folder)
+    recorded = tmp_path / "results" / "smoke" / "regen_manifest.json"
+    assert json.loads(recorded.read_text()) == manifest
+    recorded.write_text("{}")  # an earlier run's copy
     proc = _regen(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped"] is True
     assert "nothing to do" in proc.stderr
     assert _mtimes(folder) == stamp
+    assert json.loads(recorded.read_text()) == manifest
 
 
 def test_other_config_is_refused_unless_overwrite(tmp_path, reference, capsys, monkeypatch):

@@ -383,6 +383,7 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
     distributed.agree("regen folder", str(folder.resolve()), "give every rank the same XPRESS_DATA")
     done = distributed.on_main(lambda: _prepare(folder, digest, overwrite), "preparing the regen folder")
     if done is not None:
+        _record(cfg, done)
         return {**done, "skipped": True}
 
     t_start = time.perf_counter()
@@ -464,7 +465,19 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
         return manifest
 
     manifest = distributed.on_main(finish, "writing the manifest")
+    _record(cfg, manifest)
     return {**manifest, "skipped": False}
+
+
+def _record(cfg: Config, manifest: dict[str, Any]) -> None:
+    """``results/<preset>/regen_manifest.json``: the data's manifest beside the results trained on them (main
+    process), written whether this call regenerated or found the data complete, so that it is never an
+    earlier run's."""
+    from .. import distributed
+    from ..utils import atomic_write_json
+
+    if distributed.is_main():
+        atomic_write_json(paths.RESULTS / cfg.preset / "regen_manifest.json", manifest)
 
 
 # ------------------------------------------------------------------------------------------------ reading
