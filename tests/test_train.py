@@ -621,7 +621,7 @@ def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root
     (other / "data").mkdir(parents=True, exist_ok=True)
     if not (other / "data" / "smoke").exists():
         (other / "data" / "smoke").symlink_to(root / "data" / "smoke")
-    monkeypatch.setattr(paths, "CHECKPOINTS", other / "checkpoints")
+    _where(monkeypatch, root, "gap-other")  # its checkpoints: other / "checkpoints"
     train(small("train.warm_start_steps=2", "train.lr=1e-30"), "dflash", progress=False, overwrite=True)
     _where(monkeypatch, root, "gap-this")
     train(small("train.warm_start_steps=2"), "dflash", progress=False, overwrite=True)
