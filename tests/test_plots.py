@@ -130,7 +130,8 @@ def test_report_shows_table1_batched_and_break_even(results):
     t1 = json.loads((results / "table1.json").read_text())
     t1.update(preset="p", prompts_per_benchmark=1, max_new_tokens=8, repeats=2, temperatures=[0.0, 1.0],
               weights={"ar": "none", "dflash": "trained", "xpress": "trained"}, warnings=["busy"],
-              provenance={"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "abc", "date": "2026"})
+              provenance={"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "abc", "date": "2026",
+                          "memory_read_gb_per_s": [81.6, 52.4]})
     write(results, "table1", t1)
     write(results, "batched", {"preset": "p", "methods": ["ar", "xpress"], "batch_sizes": [1, 4], "n_prompts": 4,
                                "max_new_tokens": 8, "provenance": {}, "table": [
@@ -141,6 +142,7 @@ def test_report_shows_table1_batched_and_break_even(results):
     assert "The paper's Table 1 (Qwen3-8B" in text and "8.02" in text and "6.25" in text
     assert "tau(xPress) / tau(dFlash) = 1.62" in text                             # 3.25 / 2.0, by hand
     assert "**Break-even tau on this machine**" in text and "Warning: busy" in text
+    assert "2 torch threads, memory read 82 then 52 GB/s; git abc" in text  # the run's memory phase, each end
     assert "| 4 | 40.0 (1.00x, tau 1.00) | 40.0 (1.00x, tau 1.00) |" in text
     assert "The paper's Table 2" in text and "batch 16: gsm8k 3.2x / 4.3x" in text and "batch 32: gsm8k 2.1x / 2.9x" in text
     cell = {"tau_ratio": 1.1, "lo": 1.06, "hi": 1.14, "resolved": True}

@@ -141,6 +141,21 @@ def test_load_record_warns_only_when_others_load_the_machine(monkeypatch):
     assert "other processes kept" in w and other.provenance()["busy"] is True
 
 
+def test_load_record_keeps_the_memory_read_rate_at_each_end(monkeypatch):
+    """The memory phase beside every study's timings: the read rate before and after (None without kernels)."""
+    import xpress.kernels
+
+    rates = iter([80.0, 50.0])
+    monkeypatch.setattr(xpress.kernels, "memory_read_gb_per_s", lambda *a, **k: next(rates))
+    record = LoadRecord.start()
+    record.stop()
+    assert record.provenance()["memory_read_gb_per_s"] == [80.0, 50.0]
+    mod = xpress.kernels.fused_cpu()
+    monkeypatch.undo()
+    got = xpress.kernels.memory_read_gb_per_s(1 << 20, 1)
+    assert (got is None) == (mod is None) and (got is None or got > 0)
+
+
 def test_decode_interleaved_needs_ar_first(target):
     with pytest.raises(ValueError, match="must start with 'ar'"):
         decode_interleaved(target, {"x": None}, [], 4)

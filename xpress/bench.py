@@ -421,7 +421,7 @@ def roofline(target: Target, verify: dict[str, float], repeats: int = 3) -> dict
         one = max(mod.fma_rate(20_000_000) for _ in range(repeats))
     finally:
         torch.set_num_threads(threads)
-    read = max(mod.read_rate(max(256 << 20, 2 * weight_bytes), 1) for _ in range(repeats))
+    read = kernels.memory_read_gb_per_s(max(256 << 20, 2 * weight_bytes), repeats) * 1e9
     rows = int(verify["block_size"])
     product = product_rate(mod, rows, weights[0].shape[1], bf16, threads, repeats)
     peak = (None if mod.amx_ready() else max(mod.bf16_dot_rate(20_000_000) for _ in range(repeats))) if bf16 else rate

@@ -92,6 +92,17 @@ def use_bf16_products(on: bool) -> None:
     _state["bf16_products"] = bool(on)
 
 
+def memory_read_gb_per_s(nbytes: int = 256 << 20, repeats: int = 3) -> float | None:
+    """GB/s this process's threads read from a buffer of ``nbytes`` (the best of ``repeats`` runs of the
+    kernel's ``read_rate``: four streams per thread), or None where the kernels are not loaded. A one-token
+    step streams the weights, so its time follows this rate; on a VM the rate moves between runs and over
+    time, which is why studies record it before and after they time (``xpress.studies.compare.LoadRecord``)."""
+    mod = _state.get("module")
+    if mod is None:
+        return None
+    return max(mod.read_rate(nbytes, 1) for _ in range(repeats)) / 1e9
+
+
 def kernel_for(x: torch.Tensor, *weights: torch.Tensor):
     """The loaded module where :func:`linear` may use it for ``x`` and every one of ``weights``, else None."""
     mod = _state.get("module")

@@ -33,8 +33,10 @@ def _where(prov: dict, dtype: bool = True) -> str:
     compute dtype; off for files that time several dtypes)."""
     m = prov.get("machine", {})
     tag = "" if m.get("gpu") else cpu_class(prov, dtype)
+    read = [x for x in prov.get("memory_read_gb_per_s") or [] if x is not None]  # LoadRecord's, where recorded
+    memory = f", memory read {' then '.join(f'{x:.0f}' for x in read)} GB/s" if read else ""
     return (f"{m.get('gpu') or m.get('cpu_model') or m.get('processor', '?')}{f' ({tag})' if tag else ''}, "
-            f"{m.get('torch_threads', '?')} torch threads; "
+            f"{m.get('torch_threads', '?')} torch threads{memory}; "
             f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('date', '?')[:10]}")
 
 

@@ -60,27 +60,34 @@ def weights_of(drafters: Mapping[str, Any]) -> dict[str, str]:
 class LoadRecord:
     """The machine's load before and after a measurement (:func:`xpress.utils.load_check`): the 1-minute
     load average, and the CPUs other processes use at each end (:func:`xpress.utils.other_cpu_use`),
-    which decides: busy when other work takes more than half the CPUs at either end."""
+    which decides: busy when other work takes more than half the CPUs at either end. Also the memory read
+    rate at each end (``memory_read_gb_per_s``, :func:`xpress.kernels.memory_read_gb_per_s`; None without
+    the kernels): on a VM it moves between runs, and a one-token step's time with it."""
 
     before: float | None
     own_load: float
     others_before: float | None = None
+    memory_before: float | None = None
     check: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls) -> "LoadRecord":
         import torch
 
+        from ..kernels import memory_read_gb_per_s
         from ..utils import load_average, other_cpu_use
 
-        return cls(before=load_average(), own_load=float(torch.get_num_threads()), others_before=other_cpu_use())
+        return cls(before=load_average(), own_load=float(torch.get_num_threads()), others_before=other_cpu_use(),
+                   memory_before=memory_read_gb_per_s())
 
     def stop(self, after: float | None = None) -> list[str]:
         """Take the load at the end; returns (and prints) the warning as a list, [] on a quiet machine."""
+        from ..kernels import memory_read_gb_per_s
         from ..utils import load_average, load_check, other_cpu_use
 
         self.check = load_check(self.before, load_average() if after is None else after, self.own_load,
                                 others=(self.others_before, other_cpu_use()))
+        self.check["memory_read_gb_per_s"] = [self.memory_before, memory_read_gb_per_s()]
         if self.check["load_warning"]:
             print(f"WARNING: {self.check['load_warning']}")
         return [self.check["load_warning"]] if self.check["load_warning"] else []
