@@ -610,7 +610,7 @@ def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monke
     assert all(not r.get("init") for r in lever_rows({"rows": rows}))  # the from-scratch figure: its own rows
 
 
-def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root, data, target, monkeypatch):
+def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root, data, target, monkeypatch, capsys):
     """--gap --against ROOT: this run's and ROOT's trained stages, each scored on both runs' validation
     splits (here ROOT's data are a link to this run's, so a stage scores the same on both, and ROOT's stage,
     trained at a negligible learning rate, is a different drafter whose scores are its own)."""
@@ -641,6 +641,9 @@ def test_the_gap_against_another_run_scores_each_runs_stages_on_both_splits(root
     assert json.loads((paths.RESULTS / "smoke" / "generalisation.json").read_text())["swap"] == got["swap"]
     with pytest.raises(SystemExit):
         levers_main(["--preset", "smoke", "--against", str(other)])  # --against alone: an argparse error
+    with pytest.raises(SystemExit):
+        levers_main(["--preset", "smoke", "--gap", "--against", str(missing)])  # no such run: one line, before any work
+    assert f"--against {missing}: no {missing / 'data'}" in capsys.readouterr().err
 
 
 def test_data_scaling_curve_and_its_fit():

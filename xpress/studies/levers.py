@@ -273,6 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.against is not None and not args.gap:
         ap.error("--against compares the trained stages' validation scores: add --gap")
+    if args.against is not None:
+        root = args.against.expanduser()
+        missing = [f for f in (root / "data" / args.preset / "regen" / "manifest.json",
+                               root / "checkpoints" / args.preset) if not f.exists()]
+        if missing:
+            ap.error(f"--against {root}: no {missing[0]}; pass the root of a clone where `make reproduce` (or "
+                     f"regenerate and train) ran for --preset {args.preset}")
     if args.gap:
         gap = generalisation_gap(args.preset, against=args.against)
         for r in gap["rows"]:
