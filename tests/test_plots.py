@@ -69,7 +69,7 @@ def test_report_shows_the_target_cost_and_ar_against_generate(results):
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
     assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched",
-                                          "target_cost", "data_scaling", "levers"}
+                                          "target_cost", "data_scaling", "levers", "cotraining_steps"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -90,10 +90,14 @@ def test_every_figure_from_synthetic_files(results):
     write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2,
                                         "implied_speedup": t / 2, "measured_speedup": t / 2.1}
                                        for lv, n, t in (("base", 900, 1.9), ("train.train_sequences=1", 100, 1.4),
-                                                        ("train.train_sequences=3", 300, 1.7), ("drafter.num_layers=1", 900, 2.0))]})
+                                                        ("train.train_sequences=3", 300, 1.7), ("drafter.num_layers=1", 900, 2.0))]
+                              + [{"lever": "base", "steps": n, "method": m, "init": "warmstart", "train_response_tokens": 900,
+                                  "val_tf_tau": 2 + n / 1000, "val_tau": 1.8 + n / 2000} for m in ("dflash", "xpress")
+                                 for n in (6, 18)]})
     drawn, missing = draw_all("p")
     assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
-                                                         "latency", "batched", "target_cost", "data_scaling", "levers"]
+                                                         "latency", "batched", "target_cost", "data_scaling", "levers",
+                                                         "cotraining_steps"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0
@@ -216,6 +220,25 @@ def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_ar
     assert "on frames of 64 positions (`target.frame_rows`): step 42.0 ms, verify 63.0 ms (1.50x)" in results_markdown("p", results)
     assert ("transformers forward on 64-position frames: 7 of 8 prompts equal to greedy AR with the oracle drafter "
             "(tau 15.5); a 16-token verify 1.01x a step; AR 100 tokens/s") in text
+
+
+def test_cotraining_steps_rows_take_one_runs_base_rows_at_two_or_more_lengths():
+    """The co-training-steps curve: ``base`` rows from the warm start of one run's data and recipe (the group
+    with the most step counts), by method and steps; other levers, from-scratch rows and single lengths stay out."""
+    from xpress.plots import cotraining_steps_rows
+
+    def row(method, steps, tokens=900, lever="base", init="warmstart", date="2026-12-05"):
+        return {"lever": lever, "steps": steps, "method": method, "init": init, "train_response_tokens": tokens,
+                "val_tf_tau": 2.0, "date": date}
+
+    rows = [row("xpress", 3600), row("dflash", 600), row("xpress", 600), row("xpress", 1800, lever="train.gamma=2"),
+            row("dflash", 600, init=None), row("xpress", 1800, tokens=800, date="2026-12-04"),
+            row("xpress", 600, tokens=800, date="2026-12-04"), row("markov", 600, tokens=700)]
+    assert [(r["method"], r["steps"]) for r in cotraining_steps_rows({"rows": rows})] == [
+        ("dflash", 600), ("xpress", 600), ("xpress", 3600)]        # two lengths each: the later run's data
+    more = rows + [row("xpress", 3600, tokens=800, date="2026-12-01")]
+    assert {r["train_response_tokens"] for r in cotraining_steps_rows({"rows": more})} == {800}  # three lengths win
+    assert cotraining_steps_rows({"rows": rows[-1:]}) == [] and cotraining_steps_rows(None) == []  # one length: none
 
 
 def test_lever_rows_compare_one_machine_class_at_one_length():

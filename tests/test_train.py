@@ -579,7 +579,7 @@ def test_a_lever_on_fewer_sequences_is_scored_by_decoding(root, data, target, mo
     assert (again["train_sequences"], again["train_response_tokens"]) == (2, row["train_response_tokens"])
 
 
-def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monkeypatch):
+def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monkeypatch, capsys):
     """--from-warm-start: a head method's lever co-trains from the preset's trained warm start (at lr 1e-30 its
     drafter is the warm start's, bit for bit, and its head is there); the row says method and init, and is
     kept apart from the from-scratch rows of the same lever and steps. No warm start: one line naming the fix."""
@@ -593,6 +593,14 @@ def test_a_cotraining_lever_starts_from_the_warm_start(root, data, target, monke
         run_lever("smoke", "base", 2, target=target, data=data, progress=False, method="xpress", from_warm_start=True)
     with pytest.raises(ValueError, match="from_warm_start"):
         run_lever("smoke", "base", 2, target=target, data=data, progress=False, method="xpress")
+    from xpress.studies.levers import main as levers_main
+
+    for argv, says in ((["--method", "xpress", "--from-warm-start", "base"], "no complete warm start at "),
+                       (["train.nope=1"], "train.nope"), (["--method", "xpress", "base"], "add --from-warm-start")):
+        with pytest.raises(SystemExit) as exit_:  # the command line: one line naming the fix, no traceback
+            levers_main(["--preset", "smoke", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and says in err[-1] and not any("Traceback" in line for line in err)
     train(small("train.warm_start_steps=2"), "dflash", progress=False, overwrite=True)
     row = run_lever("smoke", "train.lr=1e-30", 2, target=target, data=data, progress=False, decode_prompts=1,
                     method="xpress", from_warm_start=True)

@@ -494,6 +494,46 @@ def plot_levers(rows: Sequence[dict]):
     return fig
 
 
+def cotraining_steps_rows(levers: dict | None) -> list[dict]:
+    """The co-training-steps curve in ``levers.json``: the ``base`` rows co-trained from the warm start
+    (``init``), per method, of one run's data and recipe (training tokens, block size, anchors per sequence,
+    target dtype), the group with the most step counts (at least two; then the latest); sorted by method
+    and steps ([] when there is none yet: ``make studies`` runs them, HEAD_LEVERS and HEAD_STEPS)."""
+    rows = [r for r in (levers or {}).get("rows", []) if r.get("init") and r["lever"] == "base"
+            and r.get("val_tf_tau") is not None]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r.get("train_response_tokens"), r.get("block_size"), r.get("anchors_per_seq"), r.get("target_dtype"))
+        groups.setdefault(key, []).append(r)
+    full = [k for k, rs in groups.items() if len({r["steps"] for r in rs}) >= 2]
+    best = max(full, key=lambda k: (len({r["steps"] for r in groups[k]}), max(r.get("date") or "" for r in groups[k])),
+               default=None)
+    return sorted(groups[best], key=lambda r: (r["method"], r["steps"])) if best else []
+
+
+def plot_cotraining_steps(rows: Sequence[dict]):
+    """Per method: tau against the co-training steps from the warm start (log scale), teacher-forced on the
+    held-out blocks (solid) and by decoding the held-out prompts (dashed, where measured)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(rows)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    order = sorted(df["method"].unique())
+    sns.lineplot(data=df, x="steps", y="val_tf_tau", hue="method", hue_order=order, marker="o", ax=ax)
+    if "val_tau" in df and df["val_tau"].notna().any():
+        sns.lineplot(data=df.dropna(subset=["val_tau"]), x="steps", y="val_tau", hue="method", hue_order=order,
+                     marker="s", linestyle="--", ax=ax, legend=False)
+    ax.set_xscale("log")
+    ax.set_xticks(sorted(df["steps"].unique()), [str(int(s)) for s in sorted(df["steps"].unique())])
+    ax.set_xlabel("co-training steps from the warm start")
+    ax.set_ylabel("tau: teacher-forced (solid), by decoding (dashed)")
+    ax.set_title("co-training longer: each method from one warm start")
+    fig.tight_layout()
+    return fig
+
+
 def draw_levers(preset: str) -> Drawn | None:
     rows = lever_rows(load_result(preset, "levers"))
     if not rows:
@@ -511,9 +551,19 @@ def draw_data_scaling(preset: str) -> Drawn | None:
                  "Data: levers.json (make studies).")
 
 
+def draw_cotraining_steps(preset: str) -> Drawn | None:
+    rows = cotraining_steps_rows(load_result(preset, "levers"))
+    if not rows:
+        return None
+    return Drawn("cotraining_steps", plot_cotraining_steps(rows),
+                 "tau of each method co-trained from one warm start for more steps, held-out scores. "
+                 "Data: levers.json (make studies: HEAD_LEVERS, HEAD_STEPS).")
+
+
 DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
-           "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers}
+           "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers,
+           "cotraining_steps": draw_cotraining_steps}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:

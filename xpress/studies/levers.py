@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import paths, plots
-from ..config import Config, load_config
+from ..config import Config, ConfigError, load_config
 
 
 def lever_config(preset: str, lever: str, steps: int) -> Config:
@@ -254,8 +254,6 @@ def _trained_module(folder: Path, method: str, cfg: Config, target):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..targets import load_target
-
     ap = argparse.ArgumentParser(prog="python -m xpress.studies.levers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--steps", type=int, default=None, help="training steps per lever (default 400 from scratch, "
@@ -271,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "e.g. another clone after make reproduce) on both runs' validation splits")
     ap.add_argument("levers", nargs="*", help="base, or key=value overrides, one lever each")
     args = ap.parse_args(argv)
+    if args.levers and args.method != "dflash" and not args.from_warm_start:
+        ap.error(f"--method {args.method} co-trains a head from the warm start: add --from-warm-start")
     if args.against is not None and not args.gap:
         ap.error("--against compares the trained stages' validation scores: add --gap")
     if args.against is not None:
@@ -280,6 +280,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:
             ap.error(f"--against {root}: no {missing[0]}; pass the root of a clone where `make reproduce` (or "
                      f"regenerate and train) ran for --preset {args.preset}")
+    from ..targets import TargetError
+    from ..train.loop import TrainingError
+    from ..train.regenerate import RegenerationError
+
+    try:
+        return _run(args, argv)
+    except (ConfigError, TrainingError, RegenerationError, TargetError) as e:
+        # a bad key, no warm start, no regenerated data, no target: the message names the fix; rows of
+        # levers that finished before it are already in levers.json
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """:func:`main` after its arguments were checked: the gap, then each lever in turn."""
+    from ..targets import load_target
+
     if args.gap:
         gap = generalisation_gap(args.preset, against=args.against)
         for r in gap["rows"]:
@@ -291,8 +307,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"teacher-forced tau {r['val_tf_tau']:.3f}", flush=True)
     if not args.levers:
         return 0
-    if args.method != "dflash" and not args.from_warm_start:
-        ap.error(f"--method {args.method} co-trains a head from the warm start: add --from-warm-start")
     steps = args.steps or (load_config(args.preset).train.steps if args.from_warm_start else 400)
     cfgs = [lever_config(args.preset, lever, steps) for lever in args.levers]  # bad keys fail first
     if args.from_warm_start:
