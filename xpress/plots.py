@@ -527,6 +527,7 @@ def plot_cotraining_steps(rows: Sequence[dict]):
                      marker="s", linestyle="--", ax=ax, legend=False)
     ax.set_xscale("log")
     ax.set_xticks(sorted(df["steps"].unique()), [str(int(s)) for s in sorted(df["steps"].unique())])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the steps run, not the log axis's own labels
     ax.set_xlabel("co-training steps from the warm start")
     ax.set_ylabel("tau: teacher-forced (solid), by decoding (dashed)")
     ax.set_title("co-training longer: each method from one warm start")
