@@ -46,6 +46,23 @@ def test_draft_length_study_rows_and_table(cfg, target, tmp_path, monkeypatch):
     assert f"({best['tokens_per_s']:.1f} tokens/s against AR's {ar['tokens_per_s']:.1f})" in line  # the method's rate
 
 
+def test_draft_length_command_line_takes_the_ks_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
+    """``--draft-tokens`` chooses the k (recorded in the file's command); a k the block cannot hold is one line."""
+    import xpress.paths
+    from xpress.studies import draft_length
+
+    monkeypatch.setattr(xpress.paths, "RESULTS", tmp_path)
+    assert draft_length.main(["--preset", "smoke", "--no-progress", "--draft-tokens", "1,99"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --draft-tokens 99 must lie in") and "\n" not in err
+    args = ["--preset", "smoke", "--no-progress", "--draft-tokens", "2,1", "eval.prompts_per_benchmark=1",
+            "eval.max_new_tokens=4", "eval.repeats=1", "eval.methods=[dflash]"]
+    assert draft_length.main(args) == 0
+    res = json.loads((tmp_path / "smoke" / "draft_length.json").read_text())
+    assert [(r["method"], r["k"]) for r in res["table"]] == [("ar", 0), ("dflash", 2), ("dflash", 1)]
+    assert res["command"].endswith("--draft-tokens 2,1")
+
+
 def test_regen_speed_study_times_both_engines_on_the_same_answers(cfg, target, tmp_path, monkeypatch):
     """Every engine and batch size answers the same prompts; the continuous engine equals itself across batch
     sizes and batch-1 AR; the ratio column is against the ragged batches' median."""

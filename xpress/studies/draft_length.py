@@ -21,6 +21,7 @@ from the stage timings. Writes ``results/<preset>/draft_length.{json,csv}``.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import sys
@@ -107,7 +108,8 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
                                                               "speedup": best["speedup"], "tau": best["tau"]},
               "lossless_t0": all(r["lossless"] for r in table), "warnings": warnings,
               "seconds": time.perf_counter() - t0,
-              "command": f"python -m xpress.studies.draft_length --preset {cfg.preset}",
+              "command": f"python -m xpress.studies.draft_length --preset {cfg.preset}"
+                         + ("" if tuple(ks) == DRAFT_TOKENS else " --draft-tokens " + ",".join(map(str, ks))),
               "rows": rows,
               "provenance": {**prov, **load.provenance()}}
     if save:
@@ -115,12 +117,28 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
     return result
 
 
+def _add_args(parser) -> None:
+    def ks(text: str) -> list[int]:
+        try:
+            return [int(k) for k in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give the k as integers separated by commas, e.g. 1,2,3,0")
+    parser.add_argument("--draft-tokens", type=ks, default=list(DRAFT_TOKENS), metavar="K,K,...",
+                        help="the k to measure, comma-separated (0 = all B - 1; default: 1,2,3,0)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return study_main(argv, "python -m xpress.studies.draft_length", __doc__, "eval.repeats=1", _main)
+    return study_main(argv, "python -m xpress.studies.draft_length", __doc__, "eval.repeats=1", _main, _add_args)
 
 
 def _main(cfg: Config, target, args) -> int:
-    result = run_draft_length(cfg, target, untrained_ok=cfg.target.source == "random", progress=not args.no_progress)
+    bad = [k for k in args.draft_tokens if not 0 <= k < cfg.drafter.block_size]
+    if bad:
+        print(f"error: --draft-tokens {bad[0]} must lie in [0, {cfg.drafter.block_size - 1}] (0 = all; the drafter's "
+              f"block size is {cfg.drafter.block_size})", file=sys.stderr)
+        return 2
+    result = run_draft_length(cfg, target, ks=args.draft_tokens, untrained_ok=cfg.target.source == "random",
+                              progress=not args.no_progress)
     for r in result["table"]:
         print(f"{r['method']:>7} k={r['k']}: tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tokens/s  speedup "
               f"{r['speedup']:.3f} [{r['speedup_q1']:.2f}, {r['speedup_q3']:.2f}]  verify {r['verify_steps']:.2f} steps  "
