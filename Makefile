@@ -33,18 +33,20 @@ reproduce: setup
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup;
 # the resolution study, the verify-length study and regeneration's two engines timed side by side.
 # Co-training levers (HEAD_LEVERS, at the preset's co-training steps) start from make reproduce's trained warm
-# start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer (the co-training-steps curve).
+# start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
+# co-training-steps curve).
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
 	train.anchors_per_seq=32 train.tv_weight=0
 HEAD_LEVERS ?= base train.gamma=2
 HEAD_STEPS ?= 3600
+HEAD_METHODS ?= xpress markov dflash
 studies: setup
 	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.levers --preset $(PRESET) --steps $(LEVER_STEPS) $(LEVERS)
 	for m in xpress dflash; do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) --method $$m \
 		--from-warm-start --decode-prompts 48 $(HEAD_LEVERS) || exit 1; done
-	for m in xpress dflash; do for n in $(HEAD_STEPS); do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) \
+	for m in $(HEAD_METHODS); do for n in $(HEAD_STEPS); do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) \
 		--method $$m --from-warm-start --decode-prompts 48 --steps $$n base || exit 1; done; done
 	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) eval.repeats=1

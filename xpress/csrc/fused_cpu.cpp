@@ -408,7 +408,11 @@ inline void dp_group(const uint16_t* xb, int64_t m0, int64_t M, int64_t K, const
 // out[M, N] = bf16(x[M, K]) @ W.T in float32 with VDPBF16PS, W packed by pack_bf16(); the threads take equal
 // runs of panels, each run one dp_group (each group of NP panels serving every block of rows before the next,
 // from cache, and prefetching the next across the whole run: runs cut into groups of 12 panels left every
-// fourth group unprefetched, and 8, 16 and 24 rows 6-12% slower).
+// fourth group unprefetched, and 8, 16 and 24 rows 6-12% slower). 3 and 5-7 rows take one prefetching block of
+// their own size: in the 4 x 4 or 8 x 3 blocks they had no full block, so no row block prefetched and the
+// remainders waited on memory (2026-12-05, Zen 5, all of SmolLM2-135M's products, random weights, 25
+// interleaved repeats against the previous build, medians: 3 rows 8-10% and 5-7 rows 14-18% sooner, the
+// same bits; a prefetching block of 2 rows was 3% slower than the unprefetched one, so 2 rows stay as they were).
 // done, pairs: as linear_into's.
 constexpr int64_t DP_PANELS = int64_t{1} << 30;  // panels per dp_group call: the whole run
 template <class Done = NoEpilogue>
@@ -417,7 +421,11 @@ void linear_bf16_dp_into(const float* x, int64_t M, int64_t K, const uint16_t* W
   const int64_t ps = K * 16;
   auto block = [&](const uint16_t* xb, int64_t p0, int64_t p1) {
     if (M == 1) dp_group<1, 4>(xb, 0, M, K, W, ps, p0, p1, o, N);
-    else if (M <= 4) dp_group<4, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else if (M == 3) dp_group<3, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else if (M <= 4) dp_group<4, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);  // 2 rows: one block of 2, unprefetched
+    else if (M == 5) dp_group<5, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else if (M == 6) dp_group<6, 4, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
+    else if (M == 7) dp_group<7, 3, PF_AHEAD>(xb, 0, M, K, W, ps, p0, p1, o, N);
     else dp_group<8, 3, PF_NEXT>(xb, 0, M, K, W, ps, p0, p1, o, N);
   };
   bf16_panel_runs(x, M, K, N, DP_PANELS, pairs, block, [] {}, done);
