@@ -1,5 +1,6 @@
 """How many drafted tokens a round should verify, measured end to end at T = 0:
-``python -m xpress.studies.draft_length --preset cpu``.
+``python -m xpress.studies.draft_length --preset cpu`` (k = 1, 2, 3 and the whole block; ``--draft-tokens
+1,2,3,4,5,0`` chooses others).
 
 A speculative round verifies the anchor and ``k`` drafted tokens in one target forward of ``k + 1`` rows
 (``decode.draft_tokens``; the default verifies all ``B - 1``). Where that forward is bound by memory (a GPU at
