@@ -27,7 +27,7 @@ from xpress.drafter import block_attention_mask
 from xpress.heads import randomize_
 from xpress.proposer import load_drafter, new_drafter
 from xpress.targets import target_forward
-from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
+from xpress.train.losses import (anchor_weight, distribution_loss, loss_kernel, position_weights, target_distribution,
                                  teacher_forced_acceptance)
 from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, stage_signature,
                                step_generator, step_rows, teacher_forced_val, train, training_rows)
@@ -270,6 +270,71 @@ def test_distribution_loss_by_hand():
     assert perfect["l1"].item() == pytest.approx(2 * 0.1, rel=1e-5)
 
 
+def _loss_case(n: int, P: int, V: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(n, P, V, generator=g)).to(dtype)
+    labels = torch.randint(-1, V, (n, P), generator=g)
+    p_target = torch.softmax(2 * torch.randn(n, P, V, generator=g), -1) * 0.97  # 3% of the mass outside
+    p_target[0, 0] = 0.0
+    p_target[0, 0, 3] = 1.0  # a target sure of one token
+    return logits, labels, p_target, torch.rand(n, P, generator=g) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_kernel_is_the_pytorch_loss_and_its_gradient(dtype):
+    from xpress import kernels
+    from xpress.train.losses import loss_kernel, loss_kernel_name, row_terms
+
+    mod = loss_kernel("auto", "cpu")
+    if mod is None:
+        pytest.skip(f"the fused kernels do not build here ({kernels.status().get('reason')})")
+    assert loss_kernel("torch", "cpu") is None and loss_kernel_name("torch", "cpu") == "torch"
+    assert loss_kernel_name("auto", "cpu") == "fused" and loss_kernel("auto", "meta") is None
+    logits, labels, p_target, valid = _loss_case(24, 7, 520, dtype)
+    w = position_weights(7, 7.0)
+    got = {}
+    for name, kernel in (("torch", None), ("fused", mod)):
+        z = logits.clone().requires_grad_()
+        out = distribution_loss(z, labels, p_target, valid, w, 0.1, 0.9, kernel)
+        out["loss"].backward()
+        got[name] = (out, z.grad.float())
+        ce, l1 = row_terms(z, labels, p_target, kernel)
+        got[name] += (ce.detach(), l1.detach())
+    (ref, ref_grad, ref_ce, ref_l1), (out, grad, ce, l1) = got["torch"], got["fused"]
+    for k in ("loss", "ce", "l1"):
+        assert out[k].item() == pytest.approx(ref[k].item(), rel=1e-5), k
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l1, ref_l1, rtol=1e-5, atol=1e-5)
+    assert bool((ce[labels < 0] == 0).all())
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # a bf16 gradient is rounded to bf16
+    torch.testing.assert_close(grad, ref_grad, rtol=tol, atol=tol * ref_grad.abs().max().item())
+    # the gradient of each term alone, with other weights per row (what the backward receives)
+    a, b = torch.rand(24, 7), torch.rand(24, 7)
+    grads = []
+    for kernel in (None, mod):
+        z = logits.float().clone().requires_grad_()
+        ce, l1 = row_terms(z, labels, p_target, kernel)
+        ((a * ce).sum() + (b * l1).sum()).backward()
+        grads.append(z.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    # deterministic, and a vocabulary that is not a multiple of 8 takes the PyTorch path
+    assert torch.equal(row_terms(logits, labels, p_target, mod)[1], row_terms(logits, labels, p_target, mod)[1])
+    z, lab, pt, _ = _loss_case(3, 2, 13, torch.float32)
+    torch.testing.assert_close(row_terms(z, lab, pt, mod)[1], row_terms(z, lab, pt, None)[1], rtol=0, atol=0)
+
+
+def test_loss_kernel_setting_is_checked_and_signed_only_when_it_changes_what_ran():
+    from xpress.config import ConfigError
+    from xpress.train.loop import UNSIGNED_AT
+
+    with pytest.raises(ConfigError, match="train.loss_kernel='cuda': use auto"):
+        small("train.loss_kernel=cuda")
+    assert UNSIGNED_AT == {"loss_kernel": "torch"}
+    before = stage_signature(small("train.loss_kernel=torch"), "xpress", "xpress", 4, "warm")
+    assert "loss_kernel" not in before["train"]  # a checkpoint signed before the key existed continues its stage
+    assert stage_signature(small(), "xpress", "xpress", 4, "warm")["train"]["loss_kernel"] == "auto"
+
+
 def test_position_and_anchor_weights():
     assert position_weights(3, 2.0).tolist() == pytest.approx([1.0, math.exp(-0.5), math.exp(-1.0)])
     assert position_weights(1, 7.0).tolist() == [1.0]
@@ -430,6 +495,24 @@ def _fixed_batch_loss(cfg, data, target, md) -> dict[str, float]:
         out = CoTrainer(md.drafter, md.head, md.vocab)(batch)
         _, logs = compute_loss(out, batch, md.vocab, readout, cfg, 0.4)
     return logs
+
+
+def test_train_speed_study_times_the_path_before_and_the_presets_on_the_same_batches(root, data, target, monkeypatch):
+    from xpress.studies.train_speed import arms, run_train_speed
+
+    _where(monkeypatch, root, "train_speed")
+    assert list(arms(small())) == ["before", "preset"]
+    assert arms(small())["before"].train.loss_kernel == "torch"
+    res = run_train_speed(small(), target, ["xpress"], steps=2, warmup=1, progress=False)
+    table = {r["arm"]: r for r in res["table"]}
+    assert {r["method"] for r in res["table"]} == {"xpress"}
+    assert set(table) == {"before", "preset"} and table["before"]["ratio_to_before"] == 1.0
+    assert table["before"]["loss_kernel_ran"] == "torch"
+    assert table["preset"]["loss_kernel_ran"] == ("fused" if loss_kernel("auto", "cpu") is not None else "torch")
+    assert table["before"]["same_loss_rel_diff"] == 0.0 and table["preset"]["same_loss_rel_diff"] < 1e-4
+    assert table["preset"]["same_grad_rel_diff"] < 3e-2  # the same function; bf16 autocast rounds differently
+    assert [r["arm"] for r in res["rows"]].count("preset") == 2 and all(r["seconds"] > 0 for r in res["rows"])
+    assert (paths.RESULTS / "smoke" / "train_speed.json").is_file() and res["provenance"]["git_revision"]
 
 
 def test_training_lowers_the_loss(root, data, target, monkeypatch):

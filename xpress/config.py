@@ -132,6 +132,7 @@ class TrainConfig:
     refiner_only: bool = False  # freeze the drafter, train the head only (over a released dFlash drafter)
     train_sequences: int = 0  # train on the first N regenerated training sequences only (0 = all): data scaling
     mixed_precision: str = "auto"  # auto: bf16 autocast where bf16 is native (GPU, AVX512-BF16/AMX CPU); "no"; "bf16"
+    loss_kernel: str = "auto"  # auto: the loss's per-row terms in one C++ call on a CPU where the kernels build; torch
 
 
 @dataclass
@@ -273,6 +274,8 @@ class Config:
         _check(self.train.train_sequences >= 0, f"train.train_sequences={self.train.train_sequences} must be >= 0 (0 = all)")
         _check(self.train.mixed_precision in {"auto", "no", "bf16"},
                f"train.mixed_precision={self.train.mixed_precision!r}: use auto, no or bf16")
+        _check(self.train.loss_kernel in {"auto", "torch"},
+               f"train.loss_kernel={self.train.loss_kernel!r}: use auto (the C++ loss where it builds) or torch")
         return self
 
 

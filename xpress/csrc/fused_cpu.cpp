@@ -1624,6 +1624,125 @@ double read_rate(int64_t bytes, int64_t repeats) {
   return best;
 }
 
+// ------------------------------------------------------------------------------------------ training loss
+// The per-row terms of the co-training loss (xpress/train/losses.py, Eq. 14) and their gradients, for rows of
+// V logits z (a block position's draft vocabulary), each row one task that reads its V entries a few times
+// while they sit in L1. Autograd over the same formula in PyTorch ops runs a dozen passes over [rows, V]
+// tensors (log_softmax, gather, exp, subtract, abs and their backward: sign, products, zero fills), each
+// through memory. Per row, with p = softmax(z) and p^t the target's distribution:
+//   ce = logsumexp(z) - z_y where the label y >= 0, else 0
+//   l1 = sum_v |p_v - p^t_v| + max(0, 1 - sum_v p^t_v)
+//   d ce / d z = p - onehot(y) (0 where y < 0);   d l1 / d z_j = p_j (s_j - S), s = sign(p - p^t), S = sum_v s_v p_v
+// (sign(0) = 0, as the derivative PyTorch gives |x| at 0). Forward returns ce, l1 [N] and keeps p and
+// u = p (s - S) [N, V] for the backward: g = gce (p - onehot(y)) + gl1 u. The same function as the PyTorch
+// ops to float32 rounding (exp is exp8; the sums run lane by lane over the row, then hsum). Deterministic: a row's
+// values do not depend on the number of threads. V a multiple of 8; z float32 or bf16, p^t float32.
+inline __m256 load8_as_float(const float* z) { return _mm256_loadu_ps(z); }
+inline __m256 load8_as_float(const at::BFloat16* z) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(z));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hmax(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  float m = t[0];
+  for (int u = 1; u < 8; ++u) m = std::max(m, t[u]);
+  return m;
+}
+
+template <class T>
+void loss_rows(const T* z, const int64_t* labels, const float* pt, int64_t N, int64_t V, float* ce, float* l1,
+               float* p, float* u) {
+  at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* zr = z + r * V;
+      const float* tr = pt + r * V;
+      float* pr = p + r * V;
+      float* ur = u + r * V;
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int64_t v = 0; v < V; v += 8) mx = _mm256_max_ps(mx, load8_as_float(zr + v));
+      const float m = hmax(mx);
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 sum = zero;
+      for (int64_t v = 0; v < V; v += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(load8_as_float(zr + v), mv));
+        _mm256_storeu_ps(pr + v, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      const float total = hsum(sum);
+      const int64_t y = labels[r];
+      ce[r] = y >= 0 ? (m + std::log(total)) - static_cast<float>(zr[y]) : 0.0f;
+      const __m256 inv = _mm256_set1_ps(1.0f / total);
+      __m256 dist = zero, dot = zero, mass = zero;
+      for (int64_t v = 0; v < V; v += 8) {
+        const __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(pr + v), inv);
+        const __m256 tv = _mm256_loadu_ps(tr + v);
+        const __m256 d = _mm256_sub_ps(pv, tv);
+        const __m256 s = _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_GT_OQ), one),
+                                       _mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_LT_OQ), one));
+        _mm256_storeu_ps(pr + v, pv);
+        _mm256_storeu_ps(ur + v, s);
+        dist = _mm256_add_ps(dist, _mm256_andnot_ps(sign_bit, d));
+        dot = _mm256_add_ps(dot, _mm256_mul_ps(s, pv));
+        mass = _mm256_add_ps(mass, tv);
+      }
+      l1[r] = hsum(dist) + std::max(0.0f, 1.0f - hsum(mass));
+      const __m256 S = _mm256_set1_ps(hsum(dot));
+      for (int64_t v = 0; v < V; v += 8)
+        _mm256_storeu_ps(ur + v, _mm256_mul_ps(_mm256_loadu_ps(pr + v), _mm256_sub_ps(_mm256_loadu_ps(ur + v), S)));
+    }
+  });
+}
+
+// logits [N, V] float32 or bf16, labels [N] int64 (< 0: no cross-entropy), p_target [N, V] float32 ->
+// (ce [N], l1 [N], p [N, V], u [N, V]); see loss_rows
+std::vector<torch::Tensor> loss_forward(torch::Tensor logits, torch::Tensor labels, torch::Tensor p_target) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && p_target.sizes() == logits.sizes() &&
+              p_target.is_contiguous() && p_target.scalar_type() == torch::kFloat32, "loss_forward: logits and p_target [N, V], contiguous");
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0) && labels.scalar_type() == torch::kInt64 &&
+              labels.is_contiguous(), "loss_forward: labels [N] int64");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V % 8 == 0, "loss_forward: V must be a multiple of 8");
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(lab[r] < V, "loss_forward: a label is out of range");
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  torch::Tensor ce = torch::empty({N}, f32), l1 = torch::empty({N}, f32);
+  torch::Tensor p = torch::empty({N, V}, f32), u = torch::empty({N, V}, f32);
+  if (logits.scalar_type() == torch::kBFloat16)
+    loss_rows(logits.data_ptr<at::BFloat16>(), lab, p_target.data_ptr<float>(), N, V, ce.data_ptr<float>(),
+              l1.data_ptr<float>(), p.data_ptr<float>(), u.data_ptr<float>());
+  else {
+    TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "loss_forward: logits float32 or bfloat16");
+    loss_rows(logits.data_ptr<float>(), lab, p_target.data_ptr<float>(), N, V, ce.data_ptr<float>(),
+              l1.data_ptr<float>(), p.data_ptr<float>(), u.data_ptr<float>());
+  }
+  return {ce, l1, p, u};
+}
+
+// The gradient of sum_r gce[r] ce[r] + gl1[r] l1[r] with respect to the logits: g = gce (p - onehot(y)) + gl1 u
+torch::Tensor loss_backward(torch::Tensor p, torch::Tensor u, torch::Tensor labels, torch::Tensor gce, torch::Tensor gl1) {
+  const int64_t N = p.size(0), V = p.size(1);
+  TORCH_CHECK(p.is_contiguous() && u.is_contiguous() && gce.is_contiguous() && gl1.is_contiguous() &&
+              gce.scalar_type() == torch::kFloat32 && gl1.scalar_type() == torch::kFloat32 && gce.numel() == N &&
+              gl1.numel() == N && V % 8 == 0, "loss_backward: p, u [N, V] and gce, gl1 [N] float32, contiguous");
+  torch::Tensor g = torch::empty({N, V}, p.options());
+  const float *pp = p.data_ptr<float>(), *up = u.data_ptr<float>(), *a = gce.data_ptr<float>(), *b = gl1.data_ptr<float>();
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  float* gp = g.data_ptr<float>();
+  at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float ar = lab[r] >= 0 ? a[r] : 0.0f;
+      const __m256 av = _mm256_set1_ps(ar), bv = _mm256_set1_ps(b[r]);
+      for (int64_t v = 0; v < V; v += 8)
+        _mm256_storeu_ps(gp + r * V + v, _mm256_add_ps(_mm256_mul_ps(av, _mm256_loadu_ps(pp + r * V + v)),
+                                                       _mm256_mul_ps(bv, _mm256_loadu_ps(up + r * V + v))));
+      if (lab[r] >= 0) gp[r * V + lab[r]] -= ar;
+    }
+  });
+  return g;
+}
+
 // How many of torch's threads ran the bodies of one at::parallel_for over n items: at::get_num_threads()
 // where the module was built with OpenMP, 1 where it was not (ATen's parallel_for is an OpenMP region
 // written in its headers, so it runs serially in code compiled without -fopenmp).
@@ -1652,5 +1771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads that ran one at::parallel_for over n items");
   m.def("fma_rate", &fma_rate, "float32 multiply-adds per second on all threads, FMA chains in registers");
   m.def("bf16_dot_rate", &bf16_dot_rate, "bf16 multiply-adds per second on all threads with VDPBF16PS (0 without AVX512-BF16)");
+  m.def("loss_forward", &loss_forward, "the co-training loss's per-row terms, softmax and L1 gradient direction (see loss_rows)");
+  m.def("loss_backward", &loss_backward, "the co-training loss's gradient with respect to the logits (see loss_rows)");
   m.def("read_rate", &read_rate, "bytes per second all threads read from a buffer of the given size");
 }

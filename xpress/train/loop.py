@@ -42,8 +42,8 @@ from ..heads import MarkovHead, XPressRefiner
 from ..proposer import METHODS, ModelDrafter, load_drafter, new_drafter, save_drafter
 from ..utils import DeferredInterrupt
 from ..vocab import DraftVocab
-from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
-                     teacher_forced_acceptance)
+from .losses import (anchor_weight, distribution_loss, loss_kernel, loss_kernel_name, position_weights,
+                     target_distribution, teacher_forced_acceptance)
 from .regenerate import RegenData, config_hash, regen_signature
 
 STATE_FILE = "train_state.json"
@@ -236,7 +236,8 @@ def compute_loss(out: dict[str, torch.Tensor], batch: Batch, vocab: DraftVocab, 
     p_t = target_distribution(batch.t_hidden.reshape(-1, P, batch.t_hidden.shape[-1]),
                               batch.t_lse.reshape(-1, P), readout)
     w = position_weights(P, t.gamma, labels.device)
-    terms = {name: distribution_loss(out[name], labels, p_t, valid, w, t.ce_weight, t.tv_weight)
+    kernel = loss_kernel(t.loss_kernel, labels.device)
+    terms = {name: distribution_loss(out[name], labels, p_t, valid, w, t.ce_weight, t.tv_weight, kernel)
              for name in ("base", "refined", "consistency") if name in out}
     if "refined" in terms:
         total = terms["refined"]["loss"] + anchor_w * terms["base"]["loss"]
@@ -337,6 +338,9 @@ def accepted_at(module: CoTrainer, data: RegenData, cfg: Config, row: int, ancho
 # ---------------------------------------------------------------------------------------------- stages
 # train keys that only a stage with a head reads (or, for ``steps``, that the warm start does not run)
 COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor_weight_end", "refiner_only")
+# train keys added after checkpoints were first signed, and the value that reproduces what ran before them: at
+# that value a key is left out of the signature, so those checkpoints still continue their stages
+UNSIGNED_AT = {"loss_kernel": "torch"}
 
 
 def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None,
@@ -349,8 +353,10 @@ def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str 
     and the rest of the recipe stand in for what that folder holds. ``every_key``: keep them all, as
     checkpoints written before 2026-12-04 were signed (still accepted: :func:`run_stage`). ``init`` is signed
     as :func:`xpress.paths.portable` shows it, so that a moved clone resumes; ``init_as_given``: the path
-    as passed, as checkpoints written before 2026-12-05 were signed (still accepted)."""
+    as passed, as checkpoints written before 2026-12-05 were signed (still accepted). Keys of :data:`UNSIGNED_AT`
+    at their earlier value are left out."""
     train, head = asdict(cfg.train), asdict(cfg.head)
+    train = {k: v for k, v in train.items() if k not in UNSIGNED_AT or UNSIGNED_AT[k] != v}
     if method == "dflash" and init is None and not every_key:
         train = {k: v for k, v in train.items() if k not in COTRAINING_ONLY}
         head = None
@@ -625,7 +631,9 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         _save_rank_weights(folder, module, rank, accelerator)
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
-               "mixed_precision": accelerator.mixed_precision, "train_sequences": len(train_rows),
+               "mixed_precision": accelerator.mixed_precision,
+               "loss_kernel": loss_kernel_name(cfg.train.loss_kernel, accelerator.device),
+               "train_sequences": len(train_rows),
                "train_response_tokens": data.answer_tokens(train_rows),
                "final_val": final_eval, "checkpoint": paths.portable(folder), "skipped": False}
     if main and write_log:

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 
 def position_weights(positions: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/gamma)`` for k = 1 .. positions: [positions] float32."""
@@ -51,20 +53,70 @@ def target_distribution(hidden: torch.Tensor, lse: torch.Tensor, readout: torch.
     return torch.exp(logits - lse.float()[..., None])
 
 
+def loss_kernel(setting: str, device: torch.device | str):
+    """The compiled kernels whose ``loss_forward`` / ``loss_backward`` compute :func:`row_terms` where
+    ``train.loss_kernel`` is ``auto`` and the tensors live on a CPU where the kernels build (:func:`xpress.
+    kernels.fused_cpu`); None for ``torch`` and elsewhere (PyTorch operations)."""
+    if setting == "torch" or torch.device(device).type != "cpu":
+        return None
+    return kernels.fused_cpu()
+
+
+def loss_kernel_name(setting: str, device: torch.device | str) -> str:
+    """What :func:`loss_kernel` resolves to here: ``"fused"`` or ``"torch"`` (recorded with a stage)."""
+    return "fused" if loss_kernel(setting, device) is not None else "torch"
+
+
+class _FusedRowTerms(torch.autograd.Function):
+    """:func:`row_terms` in one C++ call forward and one backward (``loss_forward`` / ``loss_backward`` in
+    xpress/csrc/fused_cpu.cpp): each row's V logits are read a few times while they sit in L1, where autograd
+    over the PyTorch operations makes a dozen passes through memory over [rows, V] tensors."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, p_target, mod):
+        shape = logits.shape
+        ce, l1, p, u = mod.loss_forward(logits.reshape(-1, shape[-1]).contiguous(), labels.reshape(-1).contiguous(),
+                                        p_target.reshape(-1, shape[-1]).float().contiguous())
+        ctx.save_for_backward(p, u, labels.reshape(-1).contiguous())
+        ctx.mod, ctx.shape = mod, shape
+        return ce.view(shape[:-1]), l1.view(shape[:-1])
+
+    @staticmethod
+    def backward(ctx, g_ce, g_l1):
+        p, u, labels = ctx.saved_tensors
+        g = ctx.mod.loss_backward(p, u, labels, g_ce.reshape(-1).float().contiguous(),
+                                  g_l1.reshape(-1).float().contiguous())
+        return g.view(ctx.shape), None, None, None
+
+
+def row_terms(logits: torch.Tensor, labels: torch.Tensor, p_target: torch.Tensor, kernel=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 14's two terms per row: logits [..., Vd] (any float dtype; computed in float32), labels [...] draft
+    ids (-1: outside the draft vocabulary, no cross-entropy there), p_target [..., Vd] -> ``ce`` [...] (
+    ``-log p(label)``, 0 where the label is -1) and ``l1`` [...] (``||p - p_target||_1`` plus the target's mass
+    outside the draft vocabulary). ``kernel`` (:func:`loss_kernel`): the same function in one C++ call, to
+    float32 rounding, where ``Vd`` is a multiple of 8; else PyTorch operations."""
+    if kernel is not None and logits.shape[-1] % 8 == 0 and logits.dtype in (torch.float32, torch.bfloat16):
+        return _FusedRowTerms.apply(logits, labels, p_target, kernel)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    in_vocab = labels >= 0
+    ce = -logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1) * in_vocab
+    p = logp.exp()
+    l1 = (p - p_target).abs().sum(-1) + (1.0 - p_target.sum(-1)).clamp_min(0)
+    return ce, l1
+
+
 def distribution_loss(logits: torch.Tensor, labels: torch.Tensor, p_target: torch.Tensor, valid: torch.Tensor,
-                      weights: torch.Tensor, ce_weight: float, tv_weight: float) -> dict[str, torch.Tensor]:
+                      weights: torch.Tensor, ce_weight: float, tv_weight: float, kernel=None) -> dict[str, torch.Tensor]:
     """Eq. 14 over a batch of blocks.
 
     logits [n, P, Vd] (any float dtype; computed in float32), labels [n, P] draft ids (-1: outside the
-    draft vocabulary, no cross-entropy there), p_target [n, P, Vd], valid [n, P] bool, weights [P].
-    Returns ``loss`` (the weighted mean of ``ce_weight * ce + tv_weight * l1``), and the weighted means
-    ``ce`` (over in-vocabulary positions) and ``l1`` for logging.
+    draft vocabulary, no cross-entropy there), p_target [n, P, Vd], valid [n, P] bool, weights [P];
+    ``kernel``: see :func:`row_terms`. Returns ``loss`` (the weighted mean of ``ce_weight * ce + tv_weight *
+    l1``), and the weighted means ``ce`` (over in-vocabulary positions) and ``l1`` for logging.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
     in_vocab = labels >= 0
-    ce = -logp.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1) * in_vocab  # [n, P]
-    p = logp.exp()
-    l1 = (p - p_target).abs().sum(-1) + (1.0 - p_target.sum(-1)).clamp_min(0)  # [n, P]
+    ce, l1 = row_terms(logits, labels, p_target, kernel)  # [n, P] each
     w = weights[None, :] * valid  # [n, P]
     total = w.sum().clamp_min(1e-12)
     w_ce = (w * in_vocab).sum().clamp_min(1e-12)

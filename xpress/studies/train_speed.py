@@ -1,0 +1,184 @@
+"""A co-training step, the path before against today's, in one run:
+``python -m xpress.studies.train_speed --preset cpu``.
+
+``train.loss_kernel`` changes how a step computes its loss, not what: ``auto`` computes the per-row terms of
+Eq. 14 and their gradient in one C++ call each where the kernels build (:func:`xpress.train.losses.row_terms`;
+the same function to float32 rounding); ``torch``, the path before, runs PyTorch operations under autograd,
+a dozen passes through memory over [rows, draft vocabulary] tensors.
+
+The study trains each stage's module in turn (``--methods``, from the preset's warm start where there is one) with
+each arm in turn on the same batches: the path before (every key of :data:`xpress.train.loop.UNSIGNED_AT` at
+its earlier value), each such key alone at the preset's value where several differ, and the preset. Arms
+alternate step by step (the order rotating), so that the machine's phases fall on all of them; the first
+``--warmup`` steps of each arm are not timed. Before any step, every arm computes the loss and its gradient
+on the same batch at the same weights, and the relative difference to the path before is kept (``same_*``).
+Per arm: the median seconds a step (forward, loss, backward, optimizer), sequence tokens and supervised
+block positions per second, and the ratio to the path before. Writes ``results/<preset>/train_speed.{json,csv}``.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Sequence
+
+from .. import paths
+from ..config import Config
+
+
+def arms(cfg: Config) -> dict[str, Config]:
+    """The configs compared: ``before`` (every key of :data:`UNSIGNED_AT` at its earlier value), one arm per key
+    whose preset value differs (that key alone at the preset's value), and ``preset``."""
+    from ..train.loop import UNSIGNED_AT
+
+    changed = {k: getattr(cfg.train, k) for k, v in UNSIGNED_AT.items() if getattr(cfg.train, k) != v}
+    before = replace(cfg, train=replace(cfg.train, **UNSIGNED_AT))
+    out = {"before": before}
+    if len(changed) > 1:
+        out.update({f"{k}={v}": replace(before, train=replace(before.train, **{k: v})) for k, v in changed.items()})
+    out["preset"] = cfg
+    return out
+
+
+def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int, warmup: int, progress: bool
+                 ) -> tuple[list[dict], list[dict], str | None]:
+    """One method's arms, interleaved step by step on the same batches: (table rows, timed rows, init)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..train import loop
+    from ..train.loop import UNSIGNED_AT
+    from ..train.losses import loss_kernel_name
+
+    vocab, _ = loop.build_vocab(cfg, target, data)
+    warm = loop.checkpoint_dir(cfg, loop.WARM_START)
+    state = loop.read_state(warm)
+    init = str(warm) if state and state.get("complete") else None  # the warm start, or a fresh drafter
+    drafter, _, _, _ = loop._starting_point(cfg, warm, None, method, target, vocab, init)
+    module, model, optimizer, params = loop._trainable(cfg, drafter, method, None, accelerator)
+    readout = target.lm_head().weight.detach()[vocab.d2t].to(accelerator.device)
+    rows = loop.training_rows(cfg, data)
+    consistency = cfg.train.consistency_weight > 0 and method != "dflash"
+    configs = arms(cfg)
+    names = list(configs)
+
+    def batch_at(step: int):
+        return loop.make_batch(data, loop.step_rows(rows, cfg, step, 0, 1), cfg,
+                               loop.step_generator(cfg.seed, step, 0)).to(accelerator.device)
+
+    def loss_and_grads(c: Config, batch) -> tuple[float, torch.Tensor]:
+        with accelerator.autocast():
+            loss, _ = loop.compute_loss(model(batch, consistency=consistency), batch, vocab, readout, c,
+                                        cfg.train.anchor_weight_start)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        grads = torch.cat([p.grad.float().flatten() for p in params if p.grad is not None])
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), grads
+
+    first = batch_at(0)
+    ref_loss, ref_grad = loss_and_grads(configs["before"], first)
+    same = {}
+    for name in names:
+        loss, grad = loss_and_grads(configs[name], first)
+        same[name] = {"loss": loss, "loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-12),
+                      "grad_rel_diff": float((grad - ref_grad).norm() / ref_grad.norm().clamp_min(1e-12))}
+    timed: dict[str, list[dict]] = {n: [] for n in names}
+    with tqdm(total=(steps + warmup) * len(names), desc=f"train step arms ({method})", disable=not progress) as bar:
+        for step in range(steps + warmup):
+            batch = batch_at(step + 1)
+            tokens, positions = int(batch.valid.sum()), int(batch.label_valid.sum())
+            for j in range(len(names)):
+                name = names[(step + j) % len(names)]
+                t0 = time.perf_counter()
+                loop.train_step(model, optimizer, accelerator, params, batch, vocab, readout, configs[name], step,
+                                steps + warmup, consistency)
+                s = time.perf_counter() - t0
+                if step >= warmup:
+                    timed[name].append({"method": method, "arm": name, "step": step, "seconds": s, "tokens": tokens,
+                                        "positions": positions})
+                bar.update()
+    base = statistics.median(r["seconds"] for r in timed["before"])
+    table = []
+    for name in names:
+        secs = [r["seconds"] for r in timed[name]]
+        q = statistics.quantiles(secs, n=4) if len(secs) > 1 else [secs[0]] * 3
+        med = statistics.median(secs)
+        c = configs[name].train
+        table.append({"method": method, "arm": name, **{k: getattr(c, k) for k in UNSIGNED_AT},
+                      "loss_kernel_ran": loss_kernel_name(c.loss_kernel, accelerator.device), "step_s": med,
+                      "step_s_q1": q[0], "step_s_q3": q[2],
+                      "tokens_per_s": sum(r["tokens"] for r in timed[name]) / sum(secs),
+                      "positions_per_s": sum(r["positions"] for r in timed[name]) / sum(secs),
+                      "ratio_to_before": med / base, **{f"same_{k}": v for k, v in same[name].items()}})
+    return table, [r for n in names for r in timed[n]], init
+
+
+def run_train_speed(cfg: Config, target, methods: Sequence[str] = ("dflash", "xpress"), steps: int = 20,
+                    warmup: int = 3, progress: bool = True, save: bool = True) -> dict[str, Any]:
+    """Time the arms of each of ``methods`` (module docstring), one method after the other; returns the payload
+    and, with ``save``, writes ``results/<preset>/train_speed.{json,csv}`` atomically with provenance."""
+    import torch
+    from accelerate import Accelerator
+
+    from ..train import loop
+    from ..train.regenerate import RegenData
+    from ..utils import provenance, write_result
+    from .compare import LoadRecord
+
+    data = RegenData.load(cfg)
+    accelerator = Accelerator(mixed_precision=loop.resolve_mixed_precision(cfg.train.mixed_precision),
+                              cpu=str(target.device) == "cpu")
+    prov = provenance(cfg.preset, torch_threads=torch.get_num_threads(), mixed_precision=accelerator.mixed_precision)
+    load = LoadRecord.start()
+    table, timed, init = [], [], None
+    for method in methods:
+        rows, times, init = _time_method(cfg, target, data, accelerator, method, steps, warmup, progress)
+        table += rows
+        timed += times
+    command = (f"python -m xpress.studies.train_speed --preset {cfg.preset} --methods {' '.join(methods)} "
+               f"--steps {steps} --warmup {warmup}")
+    result = {"what": "seconds of a co-training step (forward, loss, backward, optimizer), the path before against "
+                      "the preset's, interleaved on the same batches in one process",
+              "preset": cfg.preset, "methods": list(methods), "init": paths.portable(init) if init else None,
+              "batch_size": cfg.train.batch_size, "anchors_per_seq": cfg.train.anchors_per_seq,
+              "block_size": cfg.drafter.block_size, "draft_vocab_size": cfg.drafter.draft_vocab_size, "steps": steps,
+              "warmup": warmup, "table": table, "warnings": load.stop(), "command": command, "rows": timed,
+              "provenance": {**prov, **load.provenance()}}
+    if save:
+        write_result(paths.RESULTS / cfg.preset, "train_speed", result, table)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from ..config import load_config
+    from ..proposer import METHODS
+    from ..targets import load_target
+
+    parser = argparse.ArgumentParser(prog="python -m xpress.studies.train_speed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="cpu")
+    parser.add_argument("--methods", nargs="+", default=["dflash", "xpress"], choices=METHODS,
+                        help="stages to time, one after the other (default dflash xpress)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per arm (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (default 3)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    cfg = load_config(args.preset, args.overrides)
+    result = run_train_speed(cfg, load_target(cfg), args.methods, args.steps, args.warmup, progress=not args.no_progress)
+    for r in result["table"]:
+        print(f"{r['method']:>7} {r['arm']:>8}: {1e3 * r['step_s']:7.1f} ms a step ({r['ratio_to_before']:.3f}x before), "
+              f"{r['tokens_per_s']:7.0f} tokens/s; loss {r['same_loss_rel_diff']:.1e} and gradient "
+              f"{r['same_grad_rel_diff']:.1e} from the path before")
+    print(f"wrote {paths.RESULTS / cfg.preset / 'train_speed.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
