@@ -515,6 +515,35 @@ def test_train_speed_study_times_the_path_before_and_the_presets_on_the_same_bat
     assert (paths.RESULTS / "smoke" / "train_speed.json").is_file() and res["provenance"]["git_revision"]
 
 
+def test_teacher_forced_validation_is_float32_whoever_wraps_the_module(root, data, target, monkeypatch):
+    """A stage's own validation (its module prepared by accelerate, whose forward runs under bf16 autocast
+    where bf16 is native) and a rescoring of its checkpoint (a plain module) score the same weights alike:
+    the forward runs without autocast either way."""
+    from accelerate import Accelerator
+
+    seen = []
+    forward = CoTrainer.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CoTrainer, "forward", recording)
+    md = new_drafter("xpress", small(), target, seed=3)
+    randomize_(md.head, generator=torch.Generator().manual_seed(3))
+    plain = teacher_forced_val(CoTrainer(md.drafter, md.head, md.vocab), data, small())
+    module = CoTrainer(md.drafter, md.head, md.vocab)
+    Accelerator(mixed_precision="bf16", cpu=True).prepare(module)  # its forward now runs under autocast
+    with torch.no_grad():
+        module(make_batch(data, data.indices("val")[:1], small(), torch.Generator().manual_seed(0)))
+    assert seen == [False] * (len(seen) - 1) + [True]  # the wrapper does turn autocast on
+    seen.clear()
+    assert teacher_forced_val(module, data, small()) == plain
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # and inside a caller's autocast
+        assert teacher_forced_val(module, data, small()) == plain
+    assert seen and not any(seen)
+
+
 def test_training_lowers_the_loss(root, data, target, monkeypatch):
     """12 steps on the 8 smoke sequences. The smoke target is a random model, nearly uniform (entropy
     ~10.5 nats of 10.8), so the L1 term cannot fall (>= 2 (1 - its mass inside the draft vocabulary)

@@ -279,7 +279,13 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     refined distribution, or the drafter's for ``dflash``), ``tf_tau_base`` (the drafter's) and the number
     of blocks. A low-noise training signal beside :func:`tau_by_decoding` (tens of thousands of positions
     instead of a few prompts); it measures generalisation, which the training batches' ``tf_tau`` does not.
-    ``rows``: score these sequences instead (e.g. training ones, to measure the generalisation gap)."""
+    ``rows``: score these sequences instead (e.g. training ones, to measure the generalisation gap).
+
+    Always in float32, without autocast, whoever calls it: ``accelerate`` turns a prepared module's
+    ``forward`` into one under bf16 autocast where training uses it, so a stage's own validation used to score
+    its weights under autocast and a later rescoring of the same checkpoint without (2.3571 against 2.3598
+    teacher-forced tau for the same xPress weights, 2 of 742 blocks). The class's ``forward`` is called
+    directly, past that wrapper, with autocast off."""
     rows = data.indices("val") if rows is None else rows
     if not rows:
         return {}
@@ -293,7 +299,8 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     labels, base, final, valid = [], [], [], []
     for i in range(0, len(rows), cfg.train.batch_size):
         batch = make_batch(data, rows[i:i + cfg.train.batch_size], cfg, gen, target=target).to(device)
-        out = module(batch, consistency=False)
+        with torch.autocast(device.type, enabled=False):
+            out = CoTrainer.forward(module, batch, consistency=False)  # not the instance's autocast wrapper
         labels.append(module.vocab.to_draft(batch.labels.reshape(-1, P)))
         valid.append(batch.label_valid.reshape(-1, P))
         base.append(out["base"].argmax(-1))
