@@ -31,7 +31,8 @@ reproduce: setup
 # The oracle ceiling (AR vs a perfect drafter at B = 16, and AR vs transformers' generate()), then
 # the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup;
-# the resolution study, the verify-length study and regeneration's two engines timed side by side.
+# the resolution study, the verify-length study, regeneration's two engines and the co-training step's two loss paths
+# timed side by side.
 # Co-training levers (HEAD_LEVERS, at the preset's co-training steps) start from make reproduce's trained warm
 # start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
 # co-training-steps curve).
@@ -51,6 +52,7 @@ studies: setup
 	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) --draft-tokens 1,2,3,4,5,6,0 eval.repeats=2
 	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
+	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
 
 test: setup
