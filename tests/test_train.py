@@ -20,14 +20,14 @@ import torch
 
 import xpress.drafter
 import xpress.targets
-from xpress import paths
+from xpress import kernels, paths
 from xpress.__main__ import main
 from xpress.config import load_config
 from xpress.drafter import block_attention_mask
 from xpress.heads import randomize_
 from xpress.proposer import load_drafter, new_drafter
 from xpress.targets import target_forward
-from xpress.train.losses import (anchor_weight, distribution_loss, loss_kernel, position_weights, target_distribution,
+from xpress.train.losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
                                  teacher_forced_acceptance)
 from xpress.train.loop import (CoTrainer, TrainingError, build_vocab, compute_loss, make_batch, stage_signature,
                                step_generator, step_rows, teacher_forced_val, train, training_rows)
@@ -77,6 +77,45 @@ def _where(monkeypatch, root: Path, name: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- mask
+def test_block_attention_kernel_is_sdpa_over_the_mask_and_its_gradient():
+    """The C++ attention over training blocks (BlockLayout) against scaled_dot_product_attention over
+    block_attention_mask: outputs and every gradient, with ragged sequences, a padded anchor, GQA."""
+    import torch.nn.functional as F
+
+    from xpress.drafter import BlockLayout, ContextCache, _BlockAttention
+
+    mod = kernels.for_training("auto", "cpu")
+    if mod is None:
+        pytest.skip(f"the fused kernels do not build here ({kernels.status().get('reason')})")
+    g = torch.Generator().manual_seed(0)
+    b, nh, kvh, d, B, nb, L = 2, 6, 2, 16, 3, 4, 11
+    lengths = torch.tensor([11, 7])
+    positions = torch.arange(L).expand(b, L).clone()
+    valid = positions < lengths[:, None]
+    anchor_pos = torch.tensor([[0, 3, 5, 10], [0, 0, 2, 6]])  # row 1: a padded anchor at 0 first; 10 and 6 past the ends
+    context = ContextCache([], [], positions, valid, bool(valid.all()), L)
+    layout = BlockLayout.of(context, anchor_pos, B, mod)
+    assert layout.lim.tolist() == [[0, 3, 5, 10], [0, 0, 2, 6]]
+    assert BlockLayout.of(ContextCache([], [], positions.flip(1), valid, False, L), anchor_pos, B, mod) is None
+    shapes = [(b, nh, nb * B, d), (b, kvh, L, d), (b, kvh, L, d), (b, kvh, nb * B, d), (b, kvh, nb * B, d)]
+    inputs = [torch.randn(s, generator=g) for s in shapes]
+    d_out = torch.randn(b, nh, nb * B, d, generator=g)
+    mask = block_attention_mask(positions, valid, anchor_pos, B)
+    results = []
+    for fused in (False, True):
+        q, ck, cv, k, v = (t.clone().requires_grad_() for t in inputs)
+        if fused:
+            o = _BlockAttention.apply(q, ck, cv, k, v, layout.lim, B, mod)
+        else:
+            o = F.scaled_dot_product_attention(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), attn_mask=mask,
+                                               enable_gqa=True)
+        (o * d_out).sum().backward()
+        results.append([o.detach()] + [t.grad for t in (q, ck, cv, k, v)])
+    for name, ref, got in zip(("out", "q", "ctx_k", "ctx_v", "k", "v"), *results):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)
+    assert float(results[1][2][1, :, 7:].abs().max()) == 0.0  # the padding past sequence 1's end gets nothing
+
+
 def test_block_attention_mask():
     B = 3
     # row 0: a plain context 0..5; row 1: ragged, two left-padding holes (valid False) then positions 0..3
@@ -282,14 +321,13 @@ def _loss_case(n: int, P: int, V: int, dtype: torch.dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loss_kernel_is_the_pytorch_loss_and_its_gradient(dtype):
-    from xpress import kernels
-    from xpress.train.losses import loss_kernel, loss_kernel_name, row_terms
+    from xpress.train.losses import row_terms
 
-    mod = loss_kernel("auto", "cpu")
+    mod = kernels.for_training("auto", "cpu")
     if mod is None:
         pytest.skip(f"the fused kernels do not build here ({kernels.status().get('reason')})")
-    assert loss_kernel("torch", "cpu") is None and loss_kernel_name("torch", "cpu") == "torch"
-    assert loss_kernel_name("auto", "cpu") == "fused" and loss_kernel("auto", "meta") is None
+    assert kernels.for_training("torch", "cpu") is None and kernels.for_training_name("torch", "cpu") == "torch"
+    assert kernels.for_training_name("auto", "cpu") == "fused" and kernels.for_training("auto", "meta") is None
     logits, labels, p_target, valid = _loss_case(24, 7, 520, dtype)
     w = position_weights(7, 7.0)
     got = {}
@@ -323,16 +361,19 @@ def test_loss_kernel_is_the_pytorch_loss_and_its_gradient(dtype):
     torch.testing.assert_close(row_terms(z, lab, pt, mod)[1], row_terms(z, lab, pt, None)[1], rtol=0, atol=0)
 
 
-def test_loss_kernel_setting_is_checked_and_signed_only_when_it_changes_what_ran():
+def test_kernel_settings_are_checked_and_signed_only_when_they_change_what_ran():
     from xpress.config import ConfigError
     from xpress.train.loop import UNSIGNED_AT
 
     with pytest.raises(ConfigError, match="train.loss_kernel='cuda': use auto"):
         small("train.loss_kernel=cuda")
-    assert UNSIGNED_AT == {"loss_kernel": "torch"}
-    before = stage_signature(small("train.loss_kernel=torch"), "xpress", "xpress", 4, "warm")
-    assert "loss_kernel" not in before["train"]  # a checkpoint signed before the key existed continues its stage
-    assert stage_signature(small(), "xpress", "xpress", 4, "warm")["train"]["loss_kernel"] == "auto"
+    with pytest.raises(ConfigError, match="train.attention_kernel='sdpa': use auto"):
+        small("train.attention_kernel=sdpa")
+    assert UNSIGNED_AT == {"loss_kernel": "torch", "attention_kernel": "torch"}
+    before = stage_signature(small("train.loss_kernel=torch", "train.attention_kernel=torch"), "xpress", "xpress", 4, "warm")
+    assert not set(UNSIGNED_AT) & set(before["train"])  # a checkpoint signed before the keys existed continues its stage
+    now = stage_signature(small(), "xpress", "xpress", 4, "warm")["train"]
+    assert (now["loss_kernel"], now["attention_kernel"]) == ("auto", "auto")
 
 
 def test_position_and_anchor_weights():
@@ -501,14 +542,15 @@ def test_train_speed_study_times_the_path_before_and_the_presets_on_the_same_bat
     from xpress.studies.train_speed import arms, run_train_speed
 
     _where(monkeypatch, root, "train_speed")
-    assert list(arms(small())) == ["before", "preset"]
-    assert arms(small())["before"].train.loss_kernel == "torch"
+    assert list(arms(small())) == ["before", "loss_kernel=auto", "attention_kernel=auto", "preset"]
+    assert (arms(small())["before"].train.loss_kernel, arms(small())["before"].train.attention_kernel) == ("torch", "torch")
     res = run_train_speed(small(), target, ["xpress"], steps=2, warmup=1, progress=False)
     table = {r["arm"]: r for r in res["table"]}
     assert {r["method"] for r in res["table"]} == {"xpress"}
-    assert set(table) == {"before", "preset"} and table["before"]["ratio_to_before"] == 1.0
-    assert table["before"]["loss_kernel_ran"] == "torch"
-    assert table["preset"]["loss_kernel_ran"] == ("fused" if loss_kernel("auto", "cpu") is not None else "torch")
+    assert set(table) == set(arms(small())) and table["before"]["ratio_to_before"] == 1.0
+    assert table["before"]["loss_kernel_ran"] == table["before"]["attention_kernel_ran"] == "torch"
+    fused = "fused" if kernels.for_training("auto", "cpu") is not None else "torch"
+    assert table["preset"]["loss_kernel_ran"] == table["preset"]["attention_kernel_ran"] == fused
     assert table["before"]["same_loss_rel_diff"] == 0.0 and table["preset"]["same_loss_rel_diff"] < 1e-4
     assert table["preset"]["same_grad_rel_diff"] < 3e-2  # the same function; bf16 autocast rounds differently
     assert [r["arm"] for r in res["rows"]].count("preset") == 2 and all(r["seconds"] > 0 for r in res["rows"])
@@ -592,8 +634,8 @@ def test_teacher_forced_val(data, target):
     assert module.training  # left as it was
 
     class Perfect(CoTrainer):  # refined logits that always pick the regenerated token: tau = B on every block
-        def forward(self, batch, consistency=True):
-            out = super().forward(batch, consistency)
+        def forward(self, batch, consistency=True, attention=None):
+            out = super().forward(batch, consistency, attention)
             gold = self.vocab.to_draft(batch.labels.flatten(0, 1)).clamp_min(0)
             out["refined"] = torch.nn.functional.one_hot(gold, out["base"].shape[-1]).float() * 50
             return out

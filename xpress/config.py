@@ -133,6 +133,7 @@ class TrainConfig:
     train_sequences: int = 0  # train on the first N regenerated training sequences only (0 = all): data scaling
     mixed_precision: str = "auto"  # auto: bf16 autocast where bf16 is native (GPU, AVX512-BF16/AMX CPU); "no"; "bf16"
     loss_kernel: str = "auto"  # auto: the loss's per-row terms in one C++ call on a CPU where the kernels build; torch
+    attention_kernel: str = "auto"  # auto: the drafter's attention over training blocks in C++ where the kernels build; torch
 
 
 @dataclass
@@ -274,6 +275,8 @@ class Config:
         _check(self.train.train_sequences >= 0, f"train.train_sequences={self.train.train_sequences} must be >= 0 (0 = all)")
         _check(self.train.mixed_precision in {"auto", "no", "bf16"},
                f"train.mixed_precision={self.train.mixed_precision!r}: use auto, no or bf16")
+        _check(self.train.attention_kernel in {"auto", "torch"},
+               f"train.attention_kernel={self.train.attention_kernel!r}: use auto (the C++ attention where it builds) or torch")
         _check(self.train.loss_kernel in {"auto", "torch"},
                f"train.loss_kernel={self.train.loss_kernel!r}: use auto (the C++ loss where it builds) or torch")
         return self

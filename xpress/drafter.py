@@ -203,15 +203,19 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v.view(b, n, self.kvh, self.d).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                ctx_v: torch.Tensor, mask: "torch.Tensor | BlockLayout | None") -> torch.Tensor:
         """x [b, n, H] (block), ctx_k/ctx_v [b, kvh, L, d], mask [b, 1, n, L + n] bool (True = attend; None:
-        every key) -> [b, n, H]. The q, k and v products are one call (:func:`xpress.kernels.linears`)."""
+        every key) or a :class:`BlockLayout` (the same mask, computed by the C++ kernel) -> [b, n, H]. The q, k
+        and v products are one call (:func:`xpress.kernels.linears`)."""
         b, n, _ = x.shape
         q, k, v = kernels.linears(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         q = apply_rope(self.q_norm(q.view(b, n, self.nh, self.d)).transpose(1, 2), cos, sin)
         k, v = self._kv(k, v, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, nh, n, d]
+        if isinstance(mask, BlockLayout):
+            o = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, mask.lim, mask.block_size, mask.kernel)
+        else:
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, nh, n, d]
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.d))
 
 
@@ -307,6 +311,50 @@ def block_attention_mask(ctx_positions: torch.Tensor, ctx_valid: torch.Tensor, a
     which = torch.arange(nb * block_size, device=anchor_pos.device) // block_size  # [nb*B]
     own = (which[:, None] == which[None, :]).expand(b, -1, -1)  # [b, nb*B, nb*B]
     return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+@dataclass
+class BlockLayout:
+    """:func:`block_attention_mask` where the context is one run of valid keys at positions 0, 1, ... (training
+    batches): block ``a`` of sequence ``s`` attends the first ``lim[s, a]`` context keys and its own block,
+    computed by the C++ kernel ``kernel`` (``block_attention_forward`` / ``_backward``), which reads only those
+    columns. lim [b, nb] int64."""
+
+    lim: torch.Tensor
+    block_size: int
+    kernel: Any
+
+    @classmethod
+    def of(cls, context: "ContextCache", anchor_pos: torch.Tensor, block_size: int, kernel) -> "BlockLayout | None":
+        """The layout of these blocks after ``context``, or None where the context is not such a run."""
+        b, L = context.positions.shape
+        if context.positions.device.type != "cpu" or not bool(
+                (context.positions == torch.arange(L)).all() and (context.valid[:, 1:] <= context.valid[:, :-1]).all()):
+            return None
+        lengths = context.valid.sum(1, keepdim=True)  # [b, 1]
+        return cls(torch.minimum(anchor_pos, lengths).clamp_min(0).contiguous(), block_size, kernel)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention of the blocks' rows over their :class:`BlockLayout` columns: the same function as
+    ``scaled_dot_product_attention`` over :func:`block_attention_mask` (to float32 rounding; float32 inside,
+    the result in q's dtype), each row reading only the columns it attends."""
+
+    @staticmethod
+    def forward(ctx, q, ctx_k, ctx_v, k, v, lim, block_size, mod):
+        args = [t.float().contiguous() for t in (q, ctx_k, ctx_v, k, v)]  # [b, nh, n, d], [b, kvh, L | n, d]
+        scale = q.shape[-1] ** -0.5
+        o, lse = mod.block_attention_forward(*args, lim, block_size, scale)  # [b, nh, n, d], [b, nh, n]
+        ctx.save_for_backward(*args, lim, o, lse)
+        ctx.block_size, ctx.scale, ctx.mod = block_size, scale, mod
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, ctx_k, ctx_v, k, v, lim, o, lse = ctx.saved_tensors
+        grads = ctx.mod.block_attention_backward(d_o.float().contiguous(), q, ctx_k, ctx_v, k, v, lim, o, lse,
+                                                 ctx.block_size, ctx.scale)
+        return (*grads, None, None, None)
 
 
 # -------------------------------------------------------------------------------------------- model
@@ -406,12 +454,15 @@ class DFlashDraftModel(nn.Module):
         x = torch.cat([embed(anchor).to(self.dtype)[:, :, None], mask.to(self.dtype).expand(b, nb, B - 1, H)], dim=2)
         return x.reshape(b, nb * B, H)
 
-    def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, context: ContextCache) -> torch.Tensor:
+    def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, context: ContextCache,
+                attention_kernel=None) -> torch.Tensor:
         """Denoise ``nb`` blocks per sequence in one pass.
 
         anchor, anchor_pos: [b, nb] int64 (target ids, absolute positions); context: the sequence's
-        context (:meth:`encode_context`, or the inference cache). Returns the final-normed block hidden
-        states [b, nb, B, H]; ``[:, :, 1:]`` are the drafted positions that :meth:`base_logits` reads.
+        context (:meth:`encode_context`, or the inference cache); ``attention_kernel``: the compiled kernels,
+        to compute several blocks' attention over a context of consecutive positions with them
+        (:class:`BlockLayout`; training), else None. Returns the final-normed block hidden states
+        [b, nb, B, H]; ``[:, :, 1:]`` are the drafted positions that :meth:`base_logits` reads.
         """
         b, nb = anchor.shape
         B = self.block_size
@@ -424,7 +475,9 @@ class DFlashDraftModel(nn.Module):
         # one block per sequence after a context that is all real and all before its anchor (inference's
         # case): every key is attended, so no mask is built
         first = int(anchor_pos.min()) if nb == 1 and context.dense else -1
-        mask = (None if context.end <= first else  # [b, 1, nb*B, L+nb*B]
+        layout = (BlockLayout.of(context, anchor_pos, B, attention_kernel)
+                  if attention_kernel is not None and nb > 1 and self.config.head_dim % 8 == 0 else None)
+        mask = (None if context.end <= first else layout or  # [b, 1, nb*B, L+nb*B]
                 block_attention_mask(context.positions, context.valid, anchor_pos, B))
         cos, sin = self._rope_table(pos, self.dtype)
         for layer, k, v in zip(self.layers, context.keys, context.values):

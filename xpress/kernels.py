@@ -92,6 +92,20 @@ def use_bf16_products(on: bool) -> None:
     _state["bf16_products"] = bool(on)
 
 
+def for_training(setting: str, device: torch.device | str):
+    """The compiled kernels for a training computation set to ``setting`` (``train.loss_kernel``,
+    ``train.attention_kernel``): ``auto`` on a CPU where they build (:func:`fused_cpu`); None for ``torch`` and
+    on other devices (the PyTorch operations)."""
+    if setting == "torch" or torch.device(device).type != "cpu":
+        return None
+    return fused_cpu()
+
+
+def for_training_name(setting: str, device: torch.device | str) -> str:
+    """What :func:`for_training` resolves to here: ``"fused"`` or ``"torch"`` (recorded with a stage)."""
+    return "fused" if for_training(setting, device) is not None else "torch"
+
+
 def memory_read_gb_per_s(nbytes: int = 256 << 20, repeats: int = 3) -> float | None:
     """GB/s this process's threads read from a buffer of ``nbytes`` (the best of ``repeats`` runs of the
     kernel's ``read_rate``: four streams per thread), or None where the kernels are not loaded. A one-token

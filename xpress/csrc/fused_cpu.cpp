@@ -1743,6 +1743,149 @@ torch::Tensor loss_backward(torch::Tensor p, torch::Tensor u, torch::Tensor labe
   return g;
 }
 
+// ------------------------------------------------------------------------------------------ training attention
+// The dFlash drafter's attention over a training batch (xpress/drafter.py, Attention): b sequences, nb blocks of B
+// rows each, query heads nh over kv heads nkv (g = nh / nkv query heads share one), head width hd. Row i of block j
+// attends the first lim[b][j] context keys (the valid ones before the block's anchor) and the B keys of its own
+// block, nothing else. PyTorch's scaled_dot_product_attention computes it over a dense mask of every context key
+// and every block's keys; here each row reads only the columns it attends, about a third of them at 32 blocks.
+// Forward: o = softmax(scale q k^T) v per row over its columns, and the row's log-sum-exp for the backward.
+// Backward: with p_c = exp(scale q.k_c - lse), dp_c = do.v_c, D = do.o, ds_c = p_c (dp_c - D):
+//   dq = scale sum_c ds_c k_c,  dk_c += scale ds_c q,  dv_c += p_c do.
+// float32 throughout; each sum runs over its columns (or rows) in one fixed order, so the results do not depend
+// on the number of threads. Shapes: q, o, do [b, nh, n, hd]; ctx k/v [b, nkv, L, hd]; block k/v [b, nkv, n, hd];
+// lim [b, nb] int64; lse [b, nh, n]; hd a multiple of 8, n = nb * B.
+namespace tattn {
+
+inline float dot(const float* a, const float* b, int64_t hd) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+  for (int64_t d = 8; d < hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  return hsum(acc);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t hd) {  // y += a x
+  const __m256 av = _mm256_set1_ps(a);
+  for (int64_t d = 0; d < hd; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+}
+
+// s[c] <- exp(s[c]) for c < n (exp8; the last partial group through a padded copy)
+inline void exp_inplace(float* s, int64_t n) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) _mm256_storeu_ps(s + c, exp8(_mm256_loadu_ps(s + c)));
+  if (c < n) {
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t u = c; u < n; ++u) t[u - c] = s[u];
+    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    for (int64_t u = c; u < n; ++u) s[u] = t[u - c];
+  }
+}
+
+// the key (or value) of column c of a row of block j: context column c < lim, else block column c - lim
+inline const float* col(const float* ctx, const float* blk, int64_t lim, int64_t j, int64_t B, int64_t c, int64_t hd) {
+  return c < lim ? ctx + c * hd : blk + (j * B + (c - lim)) * hd;
+}
+
+}  // namespace tattn
+
+std::vector<torch::Tensor> block_attention_forward(torch::Tensor q, torch::Tensor ck, torch::Tensor cv, torch::Tensor bk,
+                                                   torch::Tensor bv, torch::Tensor lim, int64_t B, double scale) {
+  using namespace tattn;
+  const int64_t b = q.size(0), nh = q.size(1), n = q.size(2), hd = q.size(3), nkv = ck.size(1), L = ck.size(2);
+  const int64_t nb = n / B, g = nh / nkv;
+  TORCH_CHECK(q.is_contiguous() && ck.is_contiguous() && cv.is_contiguous() && bk.is_contiguous() && bv.is_contiguous() &&
+              q.scalar_type() == torch::kFloat32 && hd % 8 == 0 && n % B == 0 && nh % nkv == 0 &&
+              lim.sizes() == torch::IntArrayRef({b, nb}) && lim.scalar_type() == torch::kInt64 && lim.is_contiguous(),
+              "block_attention_forward: float32 contiguous q [b, nh, n, hd], k / v [b, nkv, L or n, hd], lim [b, n / B]");
+  torch::Tensor o = torch::empty_like(q), lse = torch::empty({b, nh, n}, q.options());
+  const float *qp = q.data_ptr<float>(), *ckp = ck.data_ptr<float>(), *cvp = cv.data_ptr<float>();
+  const float *bkp = bk.data_ptr<float>(), *bvp = bv.data_ptr<float>();
+  const int64_t* lp = lim.data_ptr<int64_t>();
+  float *op = o.data_ptr<float>(), *lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, b * nh * nb, 1, [&](int64_t t0, int64_t t1) {
+    float* s = scratch<float, 0>(static_cast<size_t>(L + B));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bi = t / (nh * nb), h = (t / nb) % nh, j = t % nb, kv = h / g;
+      const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L), cols = lim_j + B;
+      const float* ctxk = ckp + (bi * nkv + kv) * L * hd;
+      const float* ctxv = cvp + (bi * nkv + kv) * L * hd;
+      const float* blkk = bkp + (bi * nkv + kv) * n * hd;
+      const float* blkv = bvp + (bi * nkv + kv) * n * hd;
+      for (int64_t i = j * B; i < (j + 1) * B; ++i) {
+        const int64_t row = (bi * nh + h) * n + i;
+        const float* qi = qp + row * hd;
+        float m = -INFINITY;
+        for (int64_t c = 0; c < cols; ++c) {
+          s[c] = dot(qi, col(ctxk, blkk, lim_j, j, B, c, hd), hd) * sc;
+          m = std::max(m, s[c]);
+        }
+        for (int64_t c = 0; c < cols; ++c) s[c] -= m;
+        exp_inplace(s, cols);
+        float z = 0.0f;
+        for (int64_t c = 0; c < cols; ++c) z += s[c];
+        float* oi = op + row * hd;
+        for (int64_t d = 0; d < hd; ++d) oi[d] = 0.0f;
+        for (int64_t c = 0; c < cols; ++c) axpy(s[c], col(ctxv, blkv, lim_j, j, B, c, hd), oi, hd);
+        const float inv = 1.0f / z;
+        for (int64_t d = 0; d < hd; ++d) oi[d] *= inv;
+        lsep[row] = m + std::log(z);
+      }
+    }
+  });
+  return {o, lse};
+}
+
+// gradients of q, the context keys and values and the block keys and values; each task one (sequence, kv head),
+// so that the context keys' gradients it sums over all its rows are its own
+std::vector<torch::Tensor> block_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor ck, torch::Tensor cv,
+                                                    torch::Tensor bk, torch::Tensor bv, torch::Tensor lim, torch::Tensor o,
+                                                    torch::Tensor lse, int64_t B, double scale) {
+  using namespace tattn;
+  const int64_t b = q.size(0), nh = q.size(1), n = q.size(2), hd = q.size(3), nkv = ck.size(1), L = ck.size(2);
+  const int64_t nb = n / B, g = nh / nkv;
+  TORCH_CHECK(dout.is_contiguous() && dout.sizes() == q.sizes() && dout.scalar_type() == torch::kFloat32,
+              "block_attention_backward: do float32 contiguous, q's shape");
+  torch::Tensor dq = torch::zeros_like(q), dck = torch::zeros_like(ck), dcv = torch::zeros_like(cv);
+  torch::Tensor dbk = torch::zeros_like(bk), dbv = torch::zeros_like(bv);
+  const float *qp = q.data_ptr<float>(), *ckp = ck.data_ptr<float>(), *cvp = cv.data_ptr<float>();
+  const float *bkp = bk.data_ptr<float>(), *bvp = bv.data_ptr<float>(), *dop = dout.data_ptr<float>();
+  const float *op = o.data_ptr<float>(), *lsep = lse.data_ptr<float>();
+  const int64_t* lp = lim.data_ptr<int64_t>();
+  float *dqp = dq.data_ptr<float>(), *dckp = dck.data_ptr<float>(), *dcvp = dcv.data_ptr<float>();
+  float *dbkp = dbk.data_ptr<float>(), *dbvp = dbv.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, b * nkv, 1, [&](int64_t t0, int64_t t1) {
+    float* p = scratch<float, 0>(static_cast<size_t>(L + B));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bi = t / nkv, kv = t % nkv;
+      const int64_t off_c = (bi * nkv + kv) * L * hd, off_b = (bi * nkv + kv) * n * hd;
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L), cols = lim_j + B;
+        for (int64_t h = kv * g; h < (kv + 1) * g; ++h)
+          for (int64_t i = j * B; i < (j + 1) * B; ++i) {
+            const int64_t row = (bi * nh + h) * n + i;
+            const float *qi = qp + row * hd, *doi = dop + row * hd;
+            const float D = dot(doi, op + row * hd, hd), l = lsep[row];
+            float* dqi = dqp + row * hd;
+            for (int64_t c = 0; c < cols; ++c) p[c] = dot(qi, col(ckp + off_c, bkp + off_b, lim_j, j, B, c, hd), hd) * sc - l;
+            exp_inplace(p, cols);
+            for (int64_t c = 0; c < cols; ++c) {
+              const float* kc = col(ckp + off_c, bkp + off_b, lim_j, j, B, c, hd);
+              const float* vc = col(cvp + off_c, bvp + off_b, lim_j, j, B, c, hd);
+              const float pc = p[c];
+              const float ds = pc * (dot(doi, vc, hd) - D) * sc;
+              axpy(ds, kc, dqi, hd);
+              axpy(ds, qi, const_cast<float*>(col(dckp + off_c, dbkp + off_b, lim_j, j, B, c, hd)), hd);
+              axpy(pc, doi, const_cast<float*>(col(dcvp + off_c, dbvp + off_b, lim_j, j, B, c, hd)), hd);
+            }
+          }
+      }
+    }
+  });
+  return {dq, dck, dcv, dbk, dbv};
+}
+
 // How many of torch's threads ran the bodies of one at::parallel_for over n items: at::get_num_threads()
 // where the module was built with OpenMP, 1 where it was not (ATen's parallel_for is an OpenMP region
 // written in its headers, so it runs serially in code compiled without -fopenmp).
@@ -1773,5 +1916,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_rate", &bf16_dot_rate, "bf16 multiply-adds per second on all threads with VDPBF16PS (0 without AVX512-BF16)");
   m.def("loss_forward", &loss_forward, "the co-training loss's per-row terms, softmax and L1 gradient direction (see loss_rows)");
   m.def("loss_backward", &loss_backward, "the co-training loss's gradient with respect to the logits (see loss_rows)");
+  m.def("block_attention_forward", &block_attention_forward, "the drafter's training attention over its blocks (see block_attention_forward)");
+  m.def("block_attention_backward", &block_attention_backward, "its gradients (see block_attention_backward)");
   m.def("read_rate", &read_rate, "bytes per second all threads read from a buffer of the given size");
 }

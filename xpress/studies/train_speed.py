@@ -30,6 +30,7 @@ from ..config import Config
 def arms(cfg: Config) -> dict[str, Config]:
     """The configs compared: ``before`` (every key of :data:`UNSIGNED_AT` at its earlier value), one arm per key
     whose preset value differs (that key alone at the preset's value), and ``preset``."""
+    from ..kernels import for_training_name
     from ..train.loop import UNSIGNED_AT
 
     changed = {k: getattr(cfg.train, k) for k, v in UNSIGNED_AT.items() if getattr(cfg.train, k) != v}
@@ -48,8 +49,8 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
     from tqdm.auto import tqdm
 
     from ..train import loop
+    from ..kernels import for_training_name
     from ..train.loop import UNSIGNED_AT
-    from ..train.losses import loss_kernel_name
 
     vocab, _ = loop.build_vocab(cfg, target, data)
     warm = loop.checkpoint_dir(cfg, loop.WARM_START)
@@ -68,6 +69,7 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
                                loop.step_generator(cfg.seed, step, 0)).to(accelerator.device)
 
     def loss_and_grads(c: Config, batch) -> tuple[float, torch.Tensor]:
+        module.attention = c.train.attention_kernel
         with accelerator.autocast():
             loss, _ = loop.compute_loss(model(batch, consistency=consistency), batch, vocab, readout, c,
                                         cfg.train.anchor_weight_start)
@@ -91,6 +93,7 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
             tokens, positions = int(batch.valid.sum()), int(batch.label_valid.sum())
             for j in range(len(names)):
                 name = names[(step + j) % len(names)]
+                module.attention = configs[name].train.attention_kernel
                 t0 = time.perf_counter()
                 loop.train_step(model, optimizer, accelerator, params, batch, vocab, readout, configs[name], step,
                                 steps + warmup, consistency)
@@ -99,6 +102,7 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
                     timed[name].append({"method": method, "arm": name, "step": step, "seconds": s, "tokens": tokens,
                                         "positions": positions})
                 bar.update()
+    module.attention = cfg.train.attention_kernel
     base = statistics.median(r["seconds"] for r in timed["before"])
     table = []
     for name in names:
@@ -107,7 +111,7 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
         med = statistics.median(secs)
         c = configs[name].train
         table.append({"method": method, "arm": name, **{k: getattr(c, k) for k in UNSIGNED_AT},
-                      "loss_kernel_ran": loss_kernel_name(c.loss_kernel, accelerator.device), "step_s": med,
+                      **{f"{k}_ran": for_training_name(getattr(c, k), accelerator.device) for k in UNSIGNED_AT}, "step_s": med,
                       "step_s_q1": q[0], "step_s_q3": q[2],
                       "tokens_per_s": sum(r["tokens"] for r in timed[name]) / sum(secs),
                       "positions_per_s": sum(r["positions"] for r in timed[name]) / sum(secs),

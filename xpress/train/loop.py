@@ -35,15 +35,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import distributed, paths
+from .. import distributed, kernels, paths
 from ..config import Config
 from ..drafter import DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner
 from ..proposer import METHODS, ModelDrafter, load_drafter, new_drafter, save_drafter
 from ..utils import DeferredInterrupt
 from ..vocab import DraftVocab
-from .losses import (anchor_weight, distribution_loss, loss_kernel, loss_kernel_name, position_weights,
-                     target_distribution, teacher_forced_acceptance)
+from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
+                     teacher_forced_acceptance)
 from .regenerate import RegenData, config_hash, regen_signature
 
 STATE_FILE = "train_state.json"
@@ -200,14 +200,17 @@ class CoTrainer(nn.Module):
     (teacher-forced: previous tokens ``[x_a, x*_{a+1} .. x*_{a+P-1}]``) and ``consistency`` (previous
     tokens ``[x_a, argmax base]``), plus the drafter's block states ``hidden`` [n, P, H]."""
 
-    def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab):
+    def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
+                 attention: str = "torch"):
         super().__init__()
         self.drafter, self.head, self.vocab = drafter, head, vocab
+        self.attention = attention  # train.attention_kernel: auto (the C++ kernel where it builds) or torch
 
-    def forward(self, batch: Batch, consistency: bool = True) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch, consistency: bool = True, attention: str | None = None) -> dict[str, torch.Tensor]:
         d = self.drafter
         context = d.encode_context(batch.features, batch.positions, batch.valid)
-        hidden = d(batch.anchor_ids, batch.anchor_pos, context)  # [b, nb, B, H]
+        kernel = kernels.for_training(attention or self.attention, batch.features.device)
+        hidden = d(batch.anchor_ids, batch.anchor_pos, context, attention_kernel=kernel)  # [b, nb, B, H]
         b, nb, B, H = hidden.shape
         h = hidden[:, :, 1:].reshape(b * nb, B - 1, H)  # [n, P, H]
         base = d.base_logits(h, self.vocab)  # [n, P, Vd]
@@ -236,7 +239,7 @@ def compute_loss(out: dict[str, torch.Tensor], batch: Batch, vocab: DraftVocab, 
     p_t = target_distribution(batch.t_hidden.reshape(-1, P, batch.t_hidden.shape[-1]),
                               batch.t_lse.reshape(-1, P), readout)
     w = position_weights(P, t.gamma, labels.device)
-    kernel = loss_kernel(t.loss_kernel, labels.device)
+    kernel = kernels.for_training(t.loss_kernel, labels.device)
     terms = {name: distribution_loss(out[name], labels, p_t, valid, w, t.ce_weight, t.tv_weight, kernel)
              for name in ("base", "refined", "consistency") if name in out}
     if "refined" in terms:
@@ -285,7 +288,7 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     ``forward`` into one under bf16 autocast where training uses it, so a stage's own validation used to score
     its weights under autocast and a later rescoring of the same checkpoint without (2.3571 against 2.3598
     teacher-forced tau for the same xPress weights, 2 of 742 blocks). The class's ``forward`` is called
-    directly, past that wrapper, with autocast off."""
+    directly, past that wrapper, with autocast off, and with ``train.attention_kernel``'s attention."""
     rows = data.indices("val") if rows is None else rows
     if not rows:
         return {}
@@ -300,7 +303,8 @@ def teacher_forced_val(module: CoTrainer, data: RegenData, cfg: Config, target=N
     for i in range(0, len(rows), cfg.train.batch_size):
         batch = make_batch(data, rows[i:i + cfg.train.batch_size], cfg, gen, target=target).to(device)
         with torch.autocast(device.type, enabled=False):
-            out = CoTrainer.forward(module, batch, consistency=False)  # not the instance's autocast wrapper
+            out = type(module).forward(module, batch, consistency=False,  # not the instance's autocast wrapper
+                                       attention=cfg.train.attention_kernel)
         labels.append(module.vocab.to_draft(batch.labels.reshape(-1, P)))
         valid.append(batch.label_valid.reshape(-1, P))
         base.append(out["base"].argmax(-1))
@@ -347,7 +351,7 @@ def accepted_at(module: CoTrainer, data: RegenData, cfg: Config, row: int, ancho
 COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor_weight_end", "refiner_only")
 # train keys added after checkpoints were first signed, and the value that reproduces what ran before them: at
 # that value a key is left out of the signature, so those checkpoints still continue their stages
-UNSIGNED_AT = {"loss_kernel": "torch"}
+UNSIGNED_AT = {"loss_kernel": "torch", "attention_kernel": "torch"}
 
 
 def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None,
@@ -511,7 +515,7 @@ def _trainable(cfg: Config, drafter: ModelDrafter, method: str, trainer_state: d
     """(module, the accelerator's model and optimizer, the trained parameters) for a stage: the drafter and
     its head in a :class:`CoTrainer` (the head alone trains with ``train.refiner_only``), AdamW resumed
     from ``trainer_state`` when there is one."""
-    module = CoTrainer(drafter.drafter, drafter.head, drafter.vocab).train()
+    module = CoTrainer(drafter.drafter, drafter.head, drafter.vocab, cfg.train.attention_kernel).train()
     if cfg.train.refiner_only and method != "dflash":
         module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
     params = [p for p in module.parameters() if p.requires_grad]
@@ -639,7 +643,8 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
                "mixed_precision": accelerator.mixed_precision,
-               "loss_kernel": loss_kernel_name(cfg.train.loss_kernel, accelerator.device),
+               "loss_kernel": kernels.for_training_name(cfg.train.loss_kernel, accelerator.device),
+               "attention_kernel": kernels.for_training_name(cfg.train.attention_kernel, accelerator.device),
                "train_sequences": len(train_rows),
                "train_response_tokens": data.answer_tokens(train_rows),
                "final_val": final_eval, "checkpoint": paths.portable(folder), "skipped": False}

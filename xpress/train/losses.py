@@ -53,20 +53,6 @@ def target_distribution(hidden: torch.Tensor, lse: torch.Tensor, readout: torch.
     return torch.exp(logits - lse.float()[..., None])
 
 
-def loss_kernel(setting: str, device: torch.device | str):
-    """The compiled kernels whose ``loss_forward`` / ``loss_backward`` compute :func:`row_terms` where
-    ``train.loss_kernel`` is ``auto`` and the tensors live on a CPU where the kernels build (:func:`xpress.
-    kernels.fused_cpu`); None for ``torch`` and elsewhere (PyTorch operations)."""
-    if setting == "torch" or torch.device(device).type != "cpu":
-        return None
-    return kernels.fused_cpu()
-
-
-def loss_kernel_name(setting: str, device: torch.device | str) -> str:
-    """What :func:`loss_kernel` resolves to here: ``"fused"`` or ``"torch"`` (recorded with a stage)."""
-    return "fused" if loss_kernel(setting, device) is not None else "torch"
-
-
 class _FusedRowTerms(torch.autograd.Function):
     """:func:`row_terms` in one C++ call forward and one backward (``loss_forward`` / ``loss_backward`` in
     xpress/csrc/fused_cpu.cpp): each row's V logits are read a few times while they sit in L1, where autograd
@@ -94,7 +80,7 @@ def row_terms(logits: torch.Tensor, labels: torch.Tensor, p_target: torch.Tensor
     """Eq. 14's two terms per row: logits [..., Vd] (any float dtype; computed in float32), labels [...] draft
     ids (-1: outside the draft vocabulary, no cross-entropy there), p_target [..., Vd] -> ``ce`` [...] (
     ``-log p(label)``, 0 where the label is -1) and ``l1`` [...] (``||p - p_target||_1`` plus the target's mass
-    outside the draft vocabulary). ``kernel`` (:func:`loss_kernel`): the same function in one C++ call, to
+    outside the draft vocabulary). ``kernel`` (:func:`xpress.kernels.for_training`): the same function in one C++ call, to
     float32 rounding, where ``Vd`` is a multiple of 8; else PyTorch operations."""
     if kernel is not None and logits.shape[-1] % 8 == 0 and logits.dtype in (torch.float32, torch.bfloat16):
         return _FusedRowTerms.apply(logits, labels, p_target, kernel)
