@@ -11,7 +11,9 @@ each arm in turn on the same batches: the path before (every key of :data:`xpres
 its earlier value), each such key alone at the preset's value where several differ, and the preset. Arms
 alternate step by step (the order rotating), so that the machine's phases fall on all of them; the first
 ``--warmup`` steps of each arm are not timed. Before any step, every arm computes the loss and its gradient
-on the same batch at the same weights, and the relative difference to the path before is kept (``same_*``).
+on the same batch at the same weights, under the run's autocast and in float32, and the relative differences to
+the path before are kept (``same_*``: under autocast, in float32, and this arm under autocast against the path
+before in float32, the size of autocast's own rounding).
 Per arm: the median seconds a step (forward, loss, backward, optimizer), sequence tokens and supervised
 block positions per second, and the ratio to the path before. Writes ``results/<preset>/train_speed.{json,csv}``.
 """
@@ -68,10 +70,12 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
         return loop.make_batch(data, loop.step_rows(rows, cfg, step, 0, 1), cfg,
                                loop.step_generator(cfg.seed, step, 0)).to(accelerator.device)
 
-    def loss_and_grads(c: Config, batch) -> tuple[float, torch.Tensor]:
+    def loss_and_grads(c: Config, batch, autocast: bool) -> tuple[float, torch.Tensor]:
+        """The loss and the flat gradient at the current weights, under the run's autocast or in float32."""
         module.attention = c.train.attention_kernel
-        with accelerator.autocast():
-            loss, _ = loop.compute_loss(model(batch, consistency=consistency), batch, vocab, readout, c,
+        with torch.autocast(accelerator.device.type, enabled=False) if not autocast else accelerator.autocast():
+            forward = model if autocast else (lambda *a, **k: type(module).forward(module, *a, **k))
+            loss, _ = loop.compute_loss(forward(batch, consistency=consistency), batch, vocab, readout, c,
                                         cfg.train.anchor_weight_start)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
@@ -79,13 +83,20 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), grads
 
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
     first = batch_at(0)
-    ref_loss, ref_grad = loss_and_grads(configs["before"], first)
+    ref_loss, ref_grad = loss_and_grads(configs["before"], first, True)
+    _, ref32 = loss_and_grads(configs["before"], first, False)
     same = {}
     for name in names:
-        loss, grad = loss_and_grads(configs[name], first)
+        loss, grad = loss_and_grads(configs[name], first, True)
+        _, grad32 = loss_and_grads(configs[name], first, False)
         same[name] = {"loss": loss, "loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-12),
-                      "grad_rel_diff": float((grad - ref_grad).norm() / ref_grad.norm().clamp_min(1e-12))}
+                      "grad_rel_diff": rel(grad, ref_grad),  # both under the run's autocast
+                      "grad_rel_diff_float32": rel(grad32, ref32),  # both in float32
+                      "grad_rel_diff_to_float32_before": rel(grad, ref32)}  # the run's precision against float32
     timed: dict[str, list[dict]] = {n: [] for n in names}
     with tqdm(total=(steps + warmup) * len(names), desc=f"train step arms ({method})", disable=not progress) as bar:
         for step in range(steps + warmup):
@@ -178,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_train_speed(cfg, load_target(cfg), args.methods, args.steps, args.warmup, progress=not args.no_progress)
     for r in result["table"]:
         print(f"{r['method']:>7} {r['arm']:>8}: {1e3 * r['step_s']:7.1f} ms a step ({r['ratio_to_before']:.3f}x before), "
-              f"{r['tokens_per_s']:7.0f} tokens/s; loss {r['same_loss_rel_diff']:.1e} and gradient "
-              f"{r['same_grad_rel_diff']:.1e} from the path before")
+              f"{r['tokens_per_s']:7.0f} tokens/s; from the path before: loss {r['same_loss_rel_diff']:.1e}, gradient "
+              f"{r['same_grad_rel_diff']:.1e} ({r['same_grad_rel_diff_float32']:.1e} in float32; autocast's own "
+              f"{r['same_grad_rel_diff_to_float32_before']:.1e})")
     print(f"wrote {paths.RESULTS / cfg.preset / 'train_speed.json'}")
     return 0
 

@@ -26,8 +26,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
-
 
 def position_weights(positions: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/gamma)`` for k = 1 .. positions: [positions] float32."""
