@@ -245,6 +245,22 @@ def _regen_speed_section(rs: dict) -> list[str]:
     return out + [""]
 
 
+def _train_speed_section(ts: dict) -> list[str]:
+    """A co-training step, the path before against the kernels (``train_speed.json``), one row per method and arm."""
+    out = [f"**A co-training step** (`train_speed.json`, `{ts['command']}`; {ts['batch_size']} sequences x "
+           f"{ts['anchors_per_seq']} blocks of {ts['block_size']}, the arms interleaved step by step on the same batches, "
+           f"{ts['steps']} timed steps each; {_where(ts['provenance'])}): `before` runs the loss and the drafter's "
+           "attention as PyTorch operations, the others the C++ kernels (`train.loss_kernel`, `train.attention_kernel`); "
+           "the gradients are those of one batch at the same weights, against the path before's.", "",
+           "| method | arm | ms a step (median) | vs before | tokens/s | gradient difference, float32 | under the run's autocast |",
+           "|---|---|---|---|---|---|---|"]
+    for r in ts["table"]:
+        f32 = r.get("same_grad_rel_diff_float32")
+        out.append(f"| {r['method']} | {r['arm']} | {1e3 * r['step_s']:.1f} | {r['ratio_to_before']:.3f}x | "
+                   f"{r['tokens_per_s']:.0f} | {'-' if f32 is None else f'{f32:.1e}'} | {r['same_grad_rel_diff']:.1e} |")
+    return out + [""]
+
+
 def _latency_section(lat: dict) -> list[str]:
     """``latency.json`` (notebook 05) read defensively: its table's columns as stored."""
     from .plots import records
@@ -400,7 +416,7 @@ def _batched_section(b: dict) -> list[str]:
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
 STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
-               "regen_speed.json", "anchor_bias.json")
+               "regen_speed.json", "anchor_bias.json", "train_speed.json")
 
 
 def _origin_section(preset: str, folder: Path) -> list[str]:
@@ -478,6 +494,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
             out.append(f"| {s} | {t['method']} | {t['step']} | {t['seconds']:.0f} | {last.get('loss', float('nan')):.3f} | "
                        f"{last.get('tf_tau', float('nan')):.2f} | {'-' if val is None else f'{val:.2f}'} |")
         out.append("")
+    speed = _load(folder, "train_speed.json")
+    if speed:
+        out += _train_speed_section(speed)
     regen = _load(folder, "regen_speed.json")
     if regen:
         out += _regen_speed_section(regen)
