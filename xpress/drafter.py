@@ -476,7 +476,7 @@ class DFlashDraftModel(nn.Module):
         # case): every key is attended, so no mask is built
         first = int(anchor_pos.min()) if nb == 1 and context.dense else -1
         layout = (BlockLayout.of(context, anchor_pos, B, attention_kernel)
-                  if attention_kernel is not None and nb > 1 and self.config.head_dim % 8 == 0 else None)
+                  if attention_kernel is not None and nb > 1 and self.config.head_dim in (16, 32, 64, 128) else None)
         mask = (None if context.end <= first else layout or  # [b, 1, nb*B, L+nb*B]
                 block_attention_mask(context.positions, context.valid, anchor_pos, B))
         cos, sin = self._rope_table(pos, self.dtype)

@@ -1754,7 +1754,7 @@ torch::Tensor loss_backward(torch::Tensor p, torch::Tensor u, torch::Tensor labe
 //   dq = scale sum_c ds_c k_c,  dk_c += scale ds_c q,  dv_c += p_c do.
 // float32 throughout; each sum runs over its columns (or rows) in one fixed order, so the results do not depend
 // on the number of threads. Shapes: q, o, do [b, nh, n, hd]; ctx k/v [b, nkv, L, hd]; block k/v [b, nkv, n, hd];
-// lim [b, nb] int64; lse [b, nh, n]; hd a multiple of 8, n = nb * B.
+// lim [b, nb] int64; lse [b, nh, n]; hd 16, 32, 64 or 128, n = nb * B.
 namespace tattn {
 
 inline float dot(const float* a, const float* b, int64_t hd) {
@@ -1788,13 +1788,99 @@ inline const float* col(const float* ctx, const float* blk, int64_t lim, int64_t
 
 }  // namespace tattn
 
+// One row of the forward: o = sum_c p_c v_c / z over the row's columns in order, its DV lanes of 8 in registers
+template <int DV>
+void attend_row(const float* qi, const float* ctxk, const float* ctxv, const float* blkk, const float* blkv, int64_t lim_j,
+                int64_t j, int64_t B, float sc, float* s, float* oi, float* lse) {
+  using namespace tattn;
+  constexpr int64_t hd = 8 * DV;
+  const int64_t cols = lim_j + B;
+  float m = -INFINITY;
+  for (int64_t c = 0; c < cols; ++c) {
+    s[c] = dot(qi, col(ctxk, blkk, lim_j, j, B, c, hd), hd) * sc;
+    m = std::max(m, s[c]);
+  }
+  for (int64_t c = 0; c < cols; ++c) s[c] -= m;
+  exp_inplace(s, cols);
+  float z = 0.0f;
+  for (int64_t c = 0; c < cols; ++c) z += s[c];
+  __m256 acc[DV];
+  for (int d = 0; d < DV; ++d) acc[d] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < cols; ++c) {
+    const __m256 pc = _mm256_set1_ps(s[c]);
+    const float* vc = col(ctxv, blkv, lim_j, j, B, c, hd);
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; ++d) acc[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vc + 8 * d), acc[d]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / z);
+  for (int d = 0; d < DV; ++d) _mm256_storeu_ps(oi + 8 * d, _mm256_mul_ps(acc[d], inv));
+  *lse = m + std::log(z);
+}
+
+// One block's rows of one kv head in the backward (R = g B rows, in the order h, then i): first each row's
+// probabilities P, score gradients DS and its dq (in registers, over the columns in order); then each column's dk and
+// dv, read once, summed over the rows in that order in registers, written once. The same sums in the same order as
+// updating dq, dk_c and dv_c row by row and column by column in memory.
+template <int DV>
+void block_grads(const float* const* qr, const float* const* dor, const float* D, const float* l, float* const* dqr,
+                 int64_t R, const float* ck, const float* cv, const float* bk, const float* bv, float* dck, float* dcv,
+                 float* dbk, float* dbv, int64_t lim_j, int64_t j, int64_t B, float sc, float* P, float* DS) {
+  using namespace tattn;
+  constexpr int64_t hd = 8 * DV;
+  const int64_t cols = lim_j + B;
+  for (int64_t r = 0; r < R; ++r) {
+    float *pr = P + r * cols, *dsr = DS + r * cols;
+    for (int64_t c = 0; c < cols; ++c) pr[c] = dot(qr[r], col(ck, bk, lim_j, j, B, c, hd), hd) * sc - l[r];
+    exp_inplace(pr, cols);
+    __m256 acc[DV];
+    for (int d = 0; d < DV; ++d) acc[d] = _mm256_loadu_ps(dqr[r] + 8 * d);
+    for (int64_t c = 0; c < cols; ++c) {
+      dsr[c] = pr[c] * (dot(dor[r], col(cv, bv, lim_j, j, B, c, hd), hd) - D[r]) * sc;
+      const __m256 ds = _mm256_set1_ps(dsr[c]);
+      const float* kc = col(ck, bk, lim_j, j, B, c, hd);
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) acc[d] = _mm256_fmadd_ps(ds, _mm256_loadu_ps(kc + 8 * d), acc[d]);
+    }
+    for (int d = 0; d < DV; ++d) _mm256_storeu_ps(dqr[r] + 8 * d, acc[d]);
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    float* dk = const_cast<float*>(col(dck, dbk, lim_j, j, B, c, hd));
+    float* dv = const_cast<float*>(col(dcv, dbv, lim_j, j, B, c, hd));
+    __m256 ak[DV], av[DV];
+    for (int d = 0; d < DV; ++d) {
+      ak[d] = _mm256_loadu_ps(dk + 8 * d);
+      av[d] = _mm256_loadu_ps(dv + 8 * d);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 ds = _mm256_set1_ps(DS[r * cols + c]), pc = _mm256_set1_ps(P[r * cols + c]);
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; ++d) {
+        ak[d] = _mm256_fmadd_ps(ds, _mm256_loadu_ps(qr[r] + 8 * d), ak[d]);
+        av[d] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(dor[r] + 8 * d), av[d]);
+      }
+    }
+    for (int d = 0; d < DV; ++d) {
+      _mm256_storeu_ps(dk + 8 * d, ak[d]);
+      _mm256_storeu_ps(dv + 8 * d, av[d]);
+    }
+  }
+}
+
+#define XP_HEAD_WIDTHS(F) \
+  switch (hd) {           \
+    case 16: F(2); break; \
+    case 32: F(4); break; \
+    case 64: F(8); break; \
+    case 128: F(16); break; \
+    default: TORCH_CHECK(false, "block attention: head width 16, 32, 64 or 128"); \
+  }
+
 std::vector<torch::Tensor> block_attention_forward(torch::Tensor q, torch::Tensor ck, torch::Tensor cv, torch::Tensor bk,
                                                    torch::Tensor bv, torch::Tensor lim, int64_t B, double scale) {
-  using namespace tattn;
   const int64_t b = q.size(0), nh = q.size(1), n = q.size(2), hd = q.size(3), nkv = ck.size(1), L = ck.size(2);
   const int64_t nb = n / B, g = nh / nkv;
   TORCH_CHECK(q.is_contiguous() && ck.is_contiguous() && cv.is_contiguous() && bk.is_contiguous() && bv.is_contiguous() &&
-              q.scalar_type() == torch::kFloat32 && hd % 8 == 0 && n % B == 0 && nh % nkv == 0 &&
+              q.scalar_type() == torch::kFloat32 && n % B == 0 && nh % nkv == 0 &&
               lim.sizes() == torch::IntArrayRef({b, nb}) && lim.scalar_type() == torch::kInt64 && lim.is_contiguous(),
               "block_attention_forward: float32 contiguous q [b, nh, n, hd], k / v [b, nkv, L or n, hd], lim [b, n / B]");
   torch::Tensor o = torch::empty_like(q), lse = torch::empty({b, nh, n}, q.options());
@@ -1807,29 +1893,13 @@ std::vector<torch::Tensor> block_attention_forward(torch::Tensor q, torch::Tenso
     float* s = scratch<float, 0>(static_cast<size_t>(L + B));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / (nh * nb), h = (t / nb) % nh, j = t % nb, kv = h / g;
-      const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L), cols = lim_j + B;
-      const float* ctxk = ckp + (bi * nkv + kv) * L * hd;
-      const float* ctxv = cvp + (bi * nkv + kv) * L * hd;
-      const float* blkk = bkp + (bi * nkv + kv) * n * hd;
-      const float* blkv = bvp + (bi * nkv + kv) * n * hd;
+      const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L);
+      const int64_t oc = (bi * nkv + kv) * L * hd, ob = (bi * nkv + kv) * n * hd;
       for (int64_t i = j * B; i < (j + 1) * B; ++i) {
         const int64_t row = (bi * nh + h) * n + i;
-        const float* qi = qp + row * hd;
-        float m = -INFINITY;
-        for (int64_t c = 0; c < cols; ++c) {
-          s[c] = dot(qi, col(ctxk, blkk, lim_j, j, B, c, hd), hd) * sc;
-          m = std::max(m, s[c]);
-        }
-        for (int64_t c = 0; c < cols; ++c) s[c] -= m;
-        exp_inplace(s, cols);
-        float z = 0.0f;
-        for (int64_t c = 0; c < cols; ++c) z += s[c];
-        float* oi = op + row * hd;
-        for (int64_t d = 0; d < hd; ++d) oi[d] = 0.0f;
-        for (int64_t c = 0; c < cols; ++c) axpy(s[c], col(ctxv, blkv, lim_j, j, B, c, hd), oi, hd);
-        const float inv = 1.0f / z;
-        for (int64_t d = 0; d < hd; ++d) oi[d] *= inv;
-        lsep[row] = m + std::log(z);
+#define XP_ROW(DV) attend_row<DV>(qp + row * hd, ckp + oc, cvp + oc, bkp + ob, bvp + ob, lim_j, j, B, sc, s, op + row * hd, lsep + row)
+        XP_HEAD_WIDTHS(XP_ROW)
+#undef XP_ROW
       }
     }
   });
@@ -1855,36 +1925,38 @@ std::vector<torch::Tensor> block_attention_backward(torch::Tensor dout, torch::T
   float *dqp = dq.data_ptr<float>(), *dckp = dck.data_ptr<float>(), *dcvp = dcv.data_ptr<float>();
   float *dbkp = dbk.data_ptr<float>(), *dbvp = dbv.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const int64_t R = g * B;
   at::parallel_for(0, b * nkv, 1, [&](int64_t t0, int64_t t1) {
-    float* p = scratch<float, 0>(static_cast<size_t>(L + B));
+    float* P = scratch<float, 0>(static_cast<size_t>(R * (L + B)));
+    float* DS = scratch<float, 1>(static_cast<size_t>(R * (L + B)));
+    std::vector<const float*> qr(R), dor(R);
+    std::vector<float*> dqr(R);
+    std::vector<float> D(R), l(R);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bi = t / nkv, kv = t % nkv;
-      const int64_t off_c = (bi * nkv + kv) * L * hd, off_b = (bi * nkv + kv) * n * hd;
+      const int64_t oc = (bi * nkv + kv) * L * hd, ob = (bi * nkv + kv) * n * hd;
       for (int64_t j = 0; j < nb; ++j) {
-        const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L), cols = lim_j + B;
+        const int64_t lim_j = std::min(std::max<int64_t>(lp[bi * nb + j], 0), L);
+        int64_t r = 0;
         for (int64_t h = kv * g; h < (kv + 1) * g; ++h)
-          for (int64_t i = j * B; i < (j + 1) * B; ++i) {
+          for (int64_t i = j * B; i < (j + 1) * B; ++i, ++r) {
             const int64_t row = (bi * nh + h) * n + i;
-            const float *qi = qp + row * hd, *doi = dop + row * hd;
-            const float D = dot(doi, op + row * hd, hd), l = lsep[row];
-            float* dqi = dqp + row * hd;
-            for (int64_t c = 0; c < cols; ++c) p[c] = dot(qi, col(ckp + off_c, bkp + off_b, lim_j, j, B, c, hd), hd) * sc - l;
-            exp_inplace(p, cols);
-            for (int64_t c = 0; c < cols; ++c) {
-              const float* kc = col(ckp + off_c, bkp + off_b, lim_j, j, B, c, hd);
-              const float* vc = col(cvp + off_c, bvp + off_b, lim_j, j, B, c, hd);
-              const float pc = p[c];
-              const float ds = pc * (dot(doi, vc, hd) - D) * sc;
-              axpy(ds, kc, dqi, hd);
-              axpy(ds, qi, const_cast<float*>(col(dckp + off_c, dbkp + off_b, lim_j, j, B, c, hd)), hd);
-              axpy(pc, doi, const_cast<float*>(col(dcvp + off_c, dbvp + off_b, lim_j, j, B, c, hd)), hd);
-            }
+            qr[r] = qp + row * hd;
+            dor[r] = dop + row * hd;
+            dqr[r] = dqp + row * hd;
+            D[r] = dot(dor[r], op + row * hd, hd);
+            l[r] = lsep[row];
           }
+#define XP_BLOCK(DV) block_grads<DV>(qr.data(), dor.data(), D.data(), l.data(), dqr.data(), R, ckp + oc, cvp + oc, bkp + ob, \
+                                     bvp + ob, dckp + oc, dcvp + oc, dbkp + ob, dbvp + ob, lim_j, j, B, sc, P, DS)
+        XP_HEAD_WIDTHS(XP_BLOCK)
+#undef XP_BLOCK
       }
     }
   });
   return {dq, dck, dcv, dbk, dbv};
 }
+#undef XP_HEAD_WIDTHS
 
 // How many of torch's threads ran the bodies of one at::parallel_for over n items: at::get_num_threads()
 // where the module was built with OpenMP, 1 where it was not (ATen's parallel_for is an OpenMP region
