@@ -428,6 +428,9 @@ def test_resume_is_exact(root, data, monkeypatch):
 
     # auto trains under bf16 autocast where bf16 is native (this test then checks resume under it), else fp32
     assert full["xpress"]["mixed_precision"] == resolve_mixed_precision("auto") == ("bf16" if native_bf16() else "no")
+    # and with the C++ loss and attention where the kernels build (so resume is checked under them too)
+    fused = "fused" if kernels.for_training("auto", "cpu") is not None else "torch"
+    assert (full["xpress"]["loss_kernel"], full["xpress"]["attention_kernel"]) == (fused, fused)
 
     b = _where(monkeypatch, root, "resume-b")
     part = train(cfg, "xpress", progress=False, overwrite=True, stop_after=3)

@@ -32,7 +32,6 @@ from ..config import Config
 def arms(cfg: Config) -> dict[str, Config]:
     """The configs compared: ``before`` (every key of :data:`UNSIGNED_AT` at its earlier value), one arm per key
     whose preset value differs (that key alone at the preset's value), and ``preset``."""
-    from ..kernels import for_training_name
     from ..train.loop import UNSIGNED_AT
 
     changed = {k: getattr(cfg.train, k) for k, v in UNSIGNED_AT.items() if getattr(cfg.train, k) != v}
@@ -51,7 +50,6 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
     from tqdm.auto import tqdm
 
     from ..train import loop
-    from ..kernels import for_training_name
     from ..train.loop import UNSIGNED_AT
 
     vocab, _ = loop.build_vocab(cfg, target, data)
@@ -122,7 +120,7 @@ def _time_method(cfg: Config, target, data, accelerator, method: str, steps: int
         med = statistics.median(secs)
         c = configs[name].train
         table.append({"method": method, "arm": name, **{k: getattr(c, k) for k in UNSIGNED_AT},
-                      **{f"{k}_ran": for_training_name(getattr(c, k), accelerator.device) for k in UNSIGNED_AT}, "step_s": med,
+                      **{f"{k}_ran": v for k, v in loop.kernels_ran(c, accelerator.device).items()}, "step_s": med,
                       "step_s_q1": q[0], "step_s_q3": q[2],
                       "tokens_per_s": sum(r["tokens"] for r in timed[name]) / sum(secs),
                       "positions_per_s": sum(r["positions"] for r in timed[name]) / sum(secs),

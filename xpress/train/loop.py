@@ -354,6 +354,11 @@ COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor
 UNSIGNED_AT = {"loss_kernel": "torch", "attention_kernel": "torch"}
 
 
+def kernels_ran(train_cfg, device) -> dict[str, str]:
+    """Which path each :data:`UNSIGNED_AT` computation takes here, ``"fused"`` or ``"torch"`` (recorded with a stage)."""
+    return {k: kernels.for_training_name(getattr(train_cfg, k), device) for k in UNSIGNED_AT}
+
+
 def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str | None,
                     every_key: bool = False, init_as_given: bool = False) -> dict[str, Any]:
     """What makes a stage's result: config sections, data, method, steps and its starting point.
@@ -642,9 +647,7 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
         _save_rank_weights(folder, module, rank, accelerator)
     summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
                "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
-               "mixed_precision": accelerator.mixed_precision,
-               "loss_kernel": kernels.for_training_name(cfg.train.loss_kernel, accelerator.device),
-               "attention_kernel": kernels.for_training_name(cfg.train.attention_kernel, accelerator.device),
+               "mixed_precision": accelerator.mixed_precision, **kernels_ran(cfg.train, accelerator.device),
                "train_sequences": len(train_rows),
                "train_response_tokens": data.answer_tokens(train_rows),
                "final_val": final_eval, "checkpoint": paths.portable(folder), "skipped": False}
