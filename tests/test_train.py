@@ -590,6 +590,22 @@ def test_teacher_forced_validation_is_float32_whoever_wraps_the_module(root, dat
     assert seen and not any(seen)
 
 
+def test_train_speed_command_line_names_bad_steps_and_writes_its_file(root, data, target, monkeypatch, capsys):
+    from xpress.studies import train_speed
+
+    _where(monkeypatch, root, "train_speed_cli")
+    base = ["--preset", "smoke", "--no-progress", "--methods", "dflash", *DATA, *TRAIN]  # small()'s config
+    assert train_speed.main(base + ["--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --steps must be at least 1 and --warmup at least 0"
+    assert train_speed.main(base + ["--steps", "1", "--warmup", "0"]) == 0
+    res = json.loads((paths.RESULTS / "smoke" / "train_speed.json").read_text())
+    assert res["methods"] == ["dflash"] and res["command"].endswith("--methods dflash --steps 1 --warmup 0")
+    with pytest.raises(SystemExit, match="2"):  # argparse names the bad one
+        train_speed.main(base + ["--methods", "dflash,ngram"])
+    assert "'ngram': give methods from dflash, markov, xpress" in capsys.readouterr().err
+
+
 def test_training_lowers_the_loss(root, data, target, monkeypatch):
     """12 steps on the 8 smoke sequences. The smoke target is a random model, nearly uniform (entropy
     ~10.5 nats of 10.8), so the L1 term cannot fall (>= 2 (1 - its mass inside the draft vocabulary)

@@ -1,10 +1,14 @@
 """A co-training step, the path before against today's, in one run:
 ``python -m xpress.studies.train_speed --preset cpu``.
 
-``train.loss_kernel`` changes how a step computes its loss, not what: ``auto`` computes the per-row terms of
-Eq. 14 and their gradient in one C++ call each where the kernels build (:func:`xpress.train.losses.row_terms`;
-the same function to float32 rounding); ``torch``, the path before, runs PyTorch operations under autograd,
-a dozen passes through memory over [rows, draft vocabulary] tensors.
+Two settings change how a co-training step computes, not what (each the same function to float32 rounding):
+
+- ``train.loss_kernel``: ``auto`` computes the per-row terms of Eq. 14 and their gradient in one C++ call each
+  where the kernels build (:func:`xpress.train.losses.row_terms`); ``torch``, the path before, runs PyTorch
+  operations under autograd, a dozen passes through memory over [rows, draft vocabulary] tensors;
+- ``train.attention_kernel``: ``auto`` computes the drafter's attention over the training blocks in C++, each row
+  reading only the keys it attends (:class:`xpress.drafter.BlockLayout`); ``torch``, the path before,
+  ``scaled_dot_product_attention`` over a dense mask of every key.
 
 The study trains each stage's module in turn (``--methods``, from the preset's warm start where there is one) with
 each arm in turn on the same batches: the path before (every key of :data:`xpress.train.loop.UNSIGNED_AT` at
@@ -27,6 +31,7 @@ from typing import Any, Sequence
 
 from .. import paths
 from ..config import Config
+from .compare import study_main
 
 
 def arms(cfg: Config) -> dict[str, Config]:
@@ -150,7 +155,7 @@ def run_train_speed(cfg: Config, target, methods: Sequence[str] = ("dflash", "xp
         rows, times, init = _time_method(cfg, target, data, accelerator, method, steps, warmup, progress)
         table += rows
         timed += times
-    command = (f"python -m xpress.studies.train_speed --preset {cfg.preset} --methods {' '.join(methods)} "
+    command = (f"python -m xpress.studies.train_speed --preset {cfg.preset} --methods {','.join(methods)} "
                f"--steps {steps} --warmup {warmup}")
     result = {"what": "seconds of a co-training step (forward, loss, backward, optimizer), the path before against "
                       "the preset's, interleaved on the same batches in one process",
@@ -164,27 +169,33 @@ def run_train_speed(cfg: Config, target, methods: Sequence[str] = ("dflash", "xp
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _add_args(parser) -> None:
     import argparse
 
-    from ..config import load_config
     from ..proposer import METHODS
-    from ..targets import load_target
 
-    parser = argparse.ArgumentParser(prog="python -m xpress.studies.train_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="cpu")
-    parser.add_argument("--methods", nargs="+", default=["dflash", "xpress"], choices=METHODS,
-                        help="stages to time, one after the other (default dflash xpress)")
+    def methods(text: str) -> list[str]:
+        names = text.split(",")
+        bad = [m for m in names if m not in METHODS]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r}: give methods from {', '.join(METHODS)}, comma-separated")
+        return names
+
+    parser.add_argument("--methods", type=methods, default=["dflash", "xpress"], metavar="M,M,...",
+                        help="stages to time, one after the other, comma-separated (default dflash,xpress)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (default 3)")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return study_main(argv, "python -m xpress.studies.train_speed", __doc__, "train.batch_size=2", _main, _add_args)
+
+
+def _main(cfg: Config, target, args) -> int:
     if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
-    cfg = load_config(args.preset, args.overrides)
-    result = run_train_speed(cfg, load_target(cfg), args.methods, args.steps, args.warmup, progress=not args.no_progress)
+        print("error: --steps must be at least 1 and --warmup at least 0", file=sys.stderr)
+        return 2
+    result = run_train_speed(cfg, target, args.methods, args.steps, args.warmup, progress=not args.no_progress)
     for r in result["table"]:
         print(f"{r['method']:>7} {r['arm']:>8}: {1e3 * r['step_s']:7.1f} ms a step ({r['ratio_to_before']:.3f}x before), "
               f"{r['tokens_per_s']:7.0f} tokens/s; from the path before: loss {r['same_loss_rel_diff']:.1e}, gradient "
