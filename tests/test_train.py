@@ -459,6 +459,42 @@ def test_resume_is_exact(root, data, monkeypatch):
     assert longer["warmstart"]["skipped"] and longer["xpress"]["step"] == 5 and not longer["xpress"].get("skipped")
 
 
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(root, data, monkeypatch):
+    """A SIGINT in the middle of step 2 of 4: the step finishes, the stage saves step 2, writes its log as
+    interrupted and raises KeyboardInterrupt; run again, it ends where an uninterrupted stage does, bit for bit."""
+    import signal
+
+    from xpress.train import loop
+
+    cfg = small("train.log_every=1")
+    a = _where(monkeypatch, root, "sigint-a")
+    loop.run_stage(cfg, "probe", "xpress", 4, progress=False, overwrite=True)
+    b = _where(monkeypatch, root, "sigint-b")
+    step_once = loop.train_step
+    calls = []
+
+    def interrupted_in_step_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)  # as Ctrl-C would, half-way through the step
+        return step_once(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", interrupted_in_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run_stage(cfg, "probe", "xpress", 4, progress=False, overwrite=True)
+    assert len(calls) == 2
+    state = json.loads((b / "probe" / "train_state.json").read_text())
+    assert state["step"] == 2 and not state["complete"]
+    written = json.loads((b.parents[1] / "results" / "smoke" / "train_probe.json").read_text())
+    assert written["interrupted"] and written["step"] == 2 and written["final_val"] is None
+    monkeypatch.setattr(loop, "train_step", step_once)
+    rest = loop.run_stage(cfg, "probe", "xpress", 4, progress=False)
+    assert rest["step"] == 4 and rest["complete"] and not rest["interrupted"]
+    ta, tb = _tensors(a / "probe"), _tensors(b / "probe")
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert [r["loss"] for r in _log(a.parents[1], "probe")] == [r["loss"] for r in _log(b.parents[1], "probe")]
+
+
 def test_stage_signature_keys():
     """The warm start's signature ignores the co-training keys and the head, and keeps the rest of the recipe;
     a co-training stage's keeps everything (the warm start's steps and recipe stand for its starting folder)."""

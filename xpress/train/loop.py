@@ -555,6 +555,128 @@ def _save_rank_weights(folder: Path, module: CoTrainer, rank: int, accelerator) 
     accelerator.wait_for_everyone()
 
 
+@dataclass
+class _StageRun:
+    """One stage's training, set up: the module and its optimizer, the data and what a step, a checkpoint and
+    a validation need. :func:`run_stage` opens it (:meth:`open`), runs its steps and writes its summary."""
+    cfg: Config
+    stage: str
+    method: str
+    steps: int
+    folder: Path
+    signature: dict
+    accelerator: Any
+    data: RegenData
+    target: Any
+    vocab: DraftVocab
+    coverage: dict
+    module: CoTrainer
+    model: Any
+    optimizer: Any
+    params: list
+    readout: torch.Tensor  # [Vd, H]: the target's LM head rows of the draft vocabulary
+    train_rows: list[int]
+    start: int
+    log: list[dict]
+
+    @classmethod
+    def open(cls, cfg: Config, stage: str, method: str, steps: int, folder: Path, signature: dict,
+             state: dict | None, init: str | None, target, data: RegenData | None, accelerator) -> "_StageRun":
+        """The stage from its checkpoint (``state``) or from ``init`` / a fresh drafter; every rank agrees on
+        the configuration first."""
+        from ..targets import load_target
+
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
+                                      cpu=not torch.cuda.is_available())
+        distributed.agree("config hash", config_hash(signature),
+                          "launch every rank with the same --preset, --method and overrides")
+        data = data or RegenData.load(cfg)
+        target = target or load_target(cfg)
+        vocab, coverage = build_vocab(cfg, target, data)
+        drafter, trainer_state, start, log = _starting_point(cfg, folder, state, method, target, vocab, init)
+        module, model, optimizer, params = _trainable(cfg, drafter, method, trainer_state, accelerator)
+        readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
+        return cls(cfg, stage, method, steps, folder, signature, accelerator, data, target, vocab, coverage,
+                   module, model, optimizer, params, readout, training_rows(cfg, data), start, log)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def evaluate(self) -> dict[str, float] | None:
+        """The validation (:func:`_validate`) on the main process; None elsewhere."""
+        if not self.main:
+            return None
+        prompts = self.data.prompts("val")[:self.cfg.train.eval_prompts]
+        return _validate(self.module, self.method, self.vocab, self.cfg, self.data, self.target, prompts)
+
+    def save(self, step: int) -> None:
+        _save(self.folder, self.module, self.vocab, self.method, self.optimizer, step, self.steps, self.signature,
+              self.log, {"vocab": self.coverage})
+
+    def step(self, step: int) -> tuple[dict[str, Any], torch.Tensor, int]:
+        """Optimiser step ``step`` on this rank's batch: (its log entries, the gradient norm, the supervised
+        tokens over all ranks)."""
+        cfg, acc = self.cfg, self.accelerator
+        world, rank = acc.num_processes, acc.process_index
+        batch = make_batch(self.data, step_rows(self.train_rows, cfg, step, rank, world), cfg,
+                           step_generator(cfg.seed, step, rank), target=self.target).to(acc.device)
+        consistency = cfg.train.consistency_weight > 0 and self.method != "dflash"  # dflash has no head
+        logs, grad_norm = train_step(self.model, self.optimizer, acc, self.params, batch, self.vocab, self.readout,
+                                     cfg, step, self.steps, consistency)
+        return logs, grad_norm, int(batch.label_valid.sum()) * world
+
+    def run(self, end: int, progress: bool) -> tuple[int, bool]:
+        """Steps from :attr:`start` to ``end``, logging every ``train.log_every`` (with a validation every
+        ``train.eval_every``) and checkpointing every ``train.checkpoint_every``. Ctrl-C stops at the next
+        step boundary. Returns (the step reached, whether it was interrupted)."""
+        from tqdm.auto import tqdm
+
+        t = self.cfg.train
+        bar = tqdm(total=self.steps, initial=self.start, desc=f"train {self.stage}", unit="step",
+                   disable=not (progress and self.main), dynamic_ncols=True)
+        t_last, tokens_since = time.perf_counter(), 0
+        step, interrupted = self.start, False
+        with DeferredInterrupt() as stop:
+            try:
+                while step < end and not stop.requested:
+                    logs, grad_norm, tokens = self.step(step)
+                    step += 1
+                    tokens_since += tokens
+                    bar.update(1)
+                    if step % t.log_every == 0 or step == self.steps:
+                        now = time.perf_counter()
+                        row = {"step": step, "lr": self.optimizer.param_groups[0]["lr"],
+                               "grad_norm": float(grad_norm), "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
+                               **logs}
+                        t_last, tokens_since = now, 0
+                        if t.eval_every and step % t.eval_every == 0 and step < self.steps:
+                            row["val"] = self.evaluate()
+                        self.log.append(row)
+                        bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
+                                        tok_s=f"{row['tokens_per_s']:.0f}")
+                    if self.main and step % t.checkpoint_every == 0 and step < end:
+                        self.save(step)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                bar.close()
+        return step, interrupted or stop.requested
+
+    def summary(self, step: int, interrupted: bool, final_eval: dict | None, seconds: float) -> dict[str, Any]:
+        """The stage summary ``run_stage`` returns (and ``train_<stage>.json`` holds)."""
+        return {"stage": self.stage, "method": self.method, "step": step, "steps": self.steps,
+                "complete": step >= self.steps, "interrupted": interrupted, "seconds": seconds,
+                "vocab": self.coverage, "mixed_precision": self.accelerator.mixed_precision,
+                **kernels_ran(self.cfg.train, self.accelerator.device),
+                "train_sequences": len(self.train_rows),
+                "train_response_tokens": self.data.answer_tokens(self.train_rows),
+                "final_val": final_eval, "checkpoint": paths.portable(self.folder), "skipped": False}
+
+
 def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
               init: str | None = None, progress: bool = True, overwrite: bool = False,
               stop_after: int | None = None, accelerator=None, write_log: bool = True) -> dict[str, Any]:
@@ -565,10 +687,6 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     interruption would. ``write_log``: write ``results/<preset>/train_<stage>.{json,csv}`` (off for
     probes). A complete stage of the same signature is skipped.
     """
-    from tqdm.auto import tqdm
-
-    from ..targets import load_target
-
     if method not in METHODS:
         raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
     folder = checkpoint_dir(cfg, stage)
@@ -577,82 +695,20 @@ def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, 
     if state is not None and state.get("complete"):
         return {"stage": stage, "method": method, "skipped": True, **state}
 
-    if accelerator is None:
-        from accelerate import Accelerator
-
-        accelerator = Accelerator(mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
-                                  cpu=not torch.cuda.is_available())
-    main = accelerator.is_main_process
-    distributed.agree("config hash", config_hash(signature),
-                      "launch every rank with the same --preset, --method and overrides")
-    data = data or RegenData.load(cfg)
-    target = target or load_target(cfg)
-    vocab, coverage = build_vocab(cfg, target, data)
-    drafter, trainer_state, start, log = _starting_point(cfg, folder, state, method, target, vocab, init)
-    module, model, optimizer, params = _trainable(cfg, drafter, method, trainer_state, accelerator)
-    readout = target.lm_head().weight.detach()[vocab.d2t.to(target.device)].to(accelerator.device)
-
-    train_rows = training_rows(cfg, data)
-    val_prompts = data.prompts("val")[:cfg.train.eval_prompts]
-    world, rank = accelerator.num_processes, accelerator.process_index
-    end = steps if stop_after is None else min(steps, stop_after)
-    consistency = cfg.train.consistency_weight > 0 and method != "dflash"  # the plain drafter has no head
-
-    def evaluate() -> dict[str, float] | None:
-        return _validate(module, method, vocab, cfg, data, target, val_prompts) if main else None
-
-    def save() -> None:
-        _save(folder, module, vocab, method, optimizer, step, steps, signature, log, {"vocab": coverage})
-
-    bar = tqdm(total=steps, initial=start, desc=f"train {stage}", unit="step", disable=not (progress and main),
-               dynamic_ncols=True)
-    t_last, tokens_since = time.perf_counter(), 0
+    run = _StageRun.open(cfg, stage, method, steps, folder, signature, state, init, target, data, accelerator)
     t_stage = time.perf_counter()
-    step = start
-    interrupted = False
-    with DeferredInterrupt() as stop:  # Ctrl-C stops at the next step boundary, with a checkpoint
-        try:
-            while step < end and not stop.requested:
-                batch = make_batch(data, step_rows(train_rows, cfg, step, rank, world), cfg,
-                                   step_generator(cfg.seed, step, rank), target=target).to(accelerator.device)
-                logs, grad_norm = train_step(model, optimizer, accelerator, params, batch, vocab, readout, cfg,
-                                             step, steps, consistency)
-                step += 1
-                tokens_since += int(batch.label_valid.sum()) * world
-                bar.update(1)
-                if step % cfg.train.log_every == 0 or step == steps:
-                    now = time.perf_counter()
-                    row = {"step": step, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
-                           "tokens_per_s": tokens_since / max(now - t_last, 1e-9), **logs}
-                    t_last, tokens_since = now, 0
-                    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
-                        row["val"] = evaluate()
-                    log.append(row)
-                    bar.set_postfix(loss=f"{logs['loss']:.3f}", tf_tau=f"{logs['tf_tau']:.2f}",
-                                    tok_s=f"{row['tokens_per_s']:.0f}")
-                if main and step % cfg.train.checkpoint_every == 0 and step < end:
-                    save()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-    interrupted = interrupted or stop.requested
-    final_eval = evaluate() if step >= steps and not interrupted else None
-    if final_eval is not None and log:
-        log[-1]["val"] = final_eval
-    if main:
-        save()
-    accelerator.wait_for_everyone()
+    step, interrupted = run.run(steps if stop_after is None else min(steps, stop_after), progress)
+    final_eval = run.evaluate() if step >= steps and not interrupted else None
+    if final_eval is not None and run.log:
+        run.log[-1]["val"] = final_eval
+    if run.main:
+        run.save(step)
+    run.accelerator.wait_for_everyone()
     if os.environ.get("XPRESS_SAVE_EVERY_RANK") == "1":  # tests: each process's own weights (DDP keeps them equal)
-        _save_rank_weights(folder, module, rank, accelerator)
-    summary = {"stage": stage, "method": method, "step": step, "steps": steps, "complete": step >= steps,
-               "interrupted": interrupted, "seconds": time.perf_counter() - t_stage, "vocab": coverage,
-               "mixed_precision": accelerator.mixed_precision, **kernels_ran(cfg.train, accelerator.device),
-               "train_sequences": len(train_rows),
-               "train_response_tokens": data.answer_tokens(train_rows),
-               "final_val": final_eval, "checkpoint": paths.portable(folder), "skipped": False}
-    if main and write_log:
-        _write_stage_log(cfg, stage, summary, log, signature, world)
+        _save_rank_weights(folder, run.module, run.accelerator.process_index, run.accelerator)
+    summary = run.summary(step, interrupted, final_eval, time.perf_counter() - t_stage)
+    if run.main and write_log:
+        _write_stage_log(cfg, stage, summary, run.log, signature, run.accelerator.num_processes)
     if interrupted:
         raise KeyboardInterrupt
     return summary
