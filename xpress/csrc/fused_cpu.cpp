@@ -445,10 +445,14 @@ inline bool wide() {
 #endif
 }
 
-// Asks Linux for the AMX tile state (once per process); true where the CPU and kernel grant it.
+// True where the CPU has AMX-BF16 tiles and every AVX-512 extension the code around them uses (wide(): the
+// conversions to bf16, the softmax), and Linux grants the tile state (asked once per process). The permission
+// alone is not enough: a VM may grant tile state yet hide AMX-BF16 or AVX512-BF16, and the tiles' path would
+// then stop on an illegal instruction instead of falling back.
 bool amx_ready() {
 #ifdef XP_AMX
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  static const bool ok = wide() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
 #else
   return false;
@@ -931,6 +935,9 @@ void attend_bf16(bool amx, const float* qkv, int64_t Q, const float* kb, const f
     kt = k;
     vt = v;
   }
+  // GCC's _tile_loadd is an asm statement that names no memory it reads: the barriers keep the stores that fill
+  // qb, kt, vt (and pb below) before the tile loads that read them
+  asm volatile("" ::: "memory");
   if (amx) {
     for (int64_t m = 0; m < R; m += 16) {  // scores: 16 rows x 64 columns a pass (tmm0-3), over the head width
       const int r = static_cast<int>(std::min<int64_t>(16, R - m));
@@ -968,6 +975,7 @@ void attend_bf16(bool amx, const float* qkv, int64_t Q, const float* kb, const f
         _mm512_storeu_si512(pr + c, bf16x32(_mm512_maskz_loadu_ps(first(cols - c), sr + c),
                                             _mm512_maskz_loadu_ps(first(cols - c - 16), sr + c + 16)));
     }
+  asm volatile("" ::: "memory");
   if (amx) {
     for (int64_t m = 0; m < R; m += 16) {  // outputs: 16 rows x 64 features a pass (tmm0-3), over the columns
       amx_config(static_cast<int>(std::min<int64_t>(16, R - m)));
