@@ -8,8 +8,9 @@ import torch
 
 from xpress import paths
 from xpress.jacobi import corrected_logits, prev_tokens
-from xpress.studies.latency import (TINY, LatencyConfig, build_block, count_work, dense_rollout, latency_rows,
-                                    pass_tokens, readout_alone, refine_xpress, run_latency, time_call)
+from xpress.studies.latency import TINY, LatencyConfig, latency_rows, run_latency, time_call
+from xpress.studies.refine_block import (build_block, count_work, dense_rollout, pass_tokens, readout_alone,
+                                         refine_xpress)
 from xpress.studies.table3 import beside_paper_table3, projected_speedup
 from xpress.studies.tau_k import acceptance, all_blocks, follow_rounds, prepare_replay, replay_method
 

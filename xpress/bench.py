@@ -579,6 +579,63 @@ def divergence(target: Target, prompt: Sequence[int], reference: Sequence[int], 
 CEILING_BLOCK = 16  # the oracle ceiling's default block size: the paper's B, tau = 16
 
 
+def _ceiling_runners(target, oracle, old, max_new_tokens: int) -> dict[str, Runner]:
+    """:func:`oracle_ceiling`'s runners in their order: ``ar``; with ``old`` (the target loaded the path before
+    the lean runtime) ``ar_old`` on it and transformers' ``generate()`` with its dynamic and static cache on
+    its model in ``target``'s compute dtype; then ``oracle``."""
+    import copy
+
+    runners: dict[str, Runner] = {"ar": decode_runner(target, None, max_new_tokens)}
+    if old is not None:
+        model = old.model if old.model.dtype == target.compute_dtype else copy.deepcopy(old.model).to(target.compute_dtype)
+        runners.update(ar_old=decode_runner(old, None, max_new_tokens),
+                       generate=generate_runner(model, target.eos_token_ids, max_new_tokens, None),
+                       generate_static=generate_runner(model, target.eos_token_ids, max_new_tokens, "static"))
+    runners["oracle"] = decode_runner(target, oracle, max_new_tokens)
+    return runners
+
+
+def _ceiling_repeats(runs: list[dict], prompts: list, target, compare: bool
+                     ) -> tuple[list[dict], list[dict], dict[str, dict | None]]:
+    """:func:`oracle_ceiling`'s repeats tallied: (CSV rows, one per runner and repeat; per repeat the runners'
+    sums, the oracle's speedup and, with ``compare``, AR over the path before and over the faster
+    ``generate()``; the prompts whose oracle output differs from AR's, with where (:func:`divergence`))."""
+    from .decoding import speedup, summarize
+
+    rows, per_repeat = [], []
+    mismatches: dict[str, dict | None] = {}
+    for r, run in enumerate(runs):
+        for (pid, p), a, sd in zip(prompts, run["ar"], run["oracle"]):
+            if a.token_ids != sd.token_ids and pid not in mismatches:
+                mismatches[pid] = divergence(target, p, a.token_ids, sd.token_ids)
+        sums = {name: summarize(gens) for name, gens in run.items()}
+        rep = {"repeat": r, **sums, "speedup": speedup(sums["ar"], sums["oracle"])}
+        if compare:
+            rep["ar_over_old"] = sums["ar"]["tokens_per_s"] / sums["ar_old"]["tokens_per_s"]
+            rep["ar_over_generate"] = sums["ar"]["tokens_per_s"] / max(sums["generate"]["tokens_per_s"],
+                                                                       sums["generate_static"]["tokens_per_s"])
+        per_repeat.append(rep)
+        for name, s in sums.items():
+            rows.append({"method": name, "repeat": r, **{k: s[k] for k in
+                         ("tokens", "steps", "tau", "seconds", "tokens_per_s")}})
+    return rows, per_repeat, mismatches
+
+
+def _comparison(spreads: dict[str, dict], model_dtype: str) -> dict[str, Any]:
+    """``oracle_ceiling.json``'s ``compare``: what each AR runner is and its median tokens/s, and the ratios."""
+    return {
+        "ar_old": {"what": "the project's AR on the transformers forward (DynamicCache) in float32: the path "
+                           "before the lean runtime (target.runtime=transformers target.dtype=float32)",
+                   "tokens_per_s": spreads["ar_old_tokens_per_s"]["median"]},
+        "generate": {"what": f"transformers' model.generate(), greedy, dynamic cache, {model_dtype}",
+                     "tokens_per_s": spreads["generate_tokens_per_s"]["median"]},
+        "generate_static": {"what": f"transformers' model.generate(), greedy, static cache, {model_dtype}",
+                            "tokens_per_s": spreads["generate_static_tokens_per_s"]["median"]},
+        "ar_over_old": spreads["ar_over_old"]["median"],
+        "ar_over_generate": spreads["ar_over_generate"]["median"],
+    }
+
+
 def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int = 128, repeats: int = 3,
                    benchmarks: Sequence[str] = ("gsm8k", "mt-bench"), out_dir: str | Path | None = None,
                    overrides: Sequence[str] = (), verify_repeats: int = 30, progress: bool = False,
@@ -602,10 +659,7 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     says when the machine was busy. Writes ``results/<preset>/oracle_ceiling.json`` and ``.csv``
     (atomically) and returns the JSON payload.
     """
-    import copy
-
     from .config import load_config
-    from .decoding import speedup, summarize
     from .reference_drafters import OracleDrafter
     from .targets import load_target
     from .utils import load_average, load_check, now, other_cpu_use, provenance, seed_everything, write_result
@@ -625,35 +679,13 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     t0 = now(target.device)
     oracle.prepare(ids, max_new_tokens + B + 1)  # untimed: the oracle's own preparation
     prepare_s = now(target.device) - t0
-    runners: dict[str, Runner] = {"ar": decode_runner(target, None, max_new_tokens)}
-    old = None
-    if compare:
-        old = load_target(load_config(preset, [*overrides, *OLD_PATH]))
-        model = old.model if old.model.dtype == target.compute_dtype else copy.deepcopy(old.model).to(target.compute_dtype)
-        runners.update(ar_old=decode_runner(old, None, max_new_tokens),
-                       generate=generate_runner(model, target.eos_token_ids, max_new_tokens, None),
-                       generate_static=generate_runner(model, target.eos_token_ids, max_new_tokens, "static"))
-    runners["oracle"] = decode_runner(target, oracle, max_new_tokens)
+    old = load_target(load_config(preset, [*overrides, *OLD_PATH])) if compare else None
+    runners = _ceiling_runners(target, oracle, old, max_new_tokens)
     for runner in runners.values():  # warm-up (allocator, kernels, caches): one untimed decode each
         runner(ids[0])
 
     runs = interleaved_runs(runners, ids, repeats, progress)
-    rows, per_repeat = [], []
-    mismatches: dict[str, dict | None] = {}
-    for r, run in enumerate(runs):
-        for (pid, p), a, sd in zip(prompts, run["ar"], run["oracle"]):
-            if a.token_ids != sd.token_ids and pid not in mismatches:
-                mismatches[pid] = divergence(target, p, a.token_ids, sd.token_ids)
-        sums = {name: summarize(gens) for name, gens in run.items()}
-        rep = {"repeat": r, **sums, "speedup": speedup(sums["ar"], sums["oracle"])}
-        if compare:
-            rep["ar_over_old"] = sums["ar"]["tokens_per_s"] / sums["ar_old"]["tokens_per_s"]
-            rep["ar_over_generate"] = sums["ar"]["tokens_per_s"] / max(sums["generate"]["tokens_per_s"],
-                                                                       sums["generate_static"]["tokens_per_s"])
-        per_repeat.append(rep)
-        for name, s in sums.items():
-            rows.append({"method": name, "repeat": r, **{k: s[k] for k in
-                         ("tokens", "steps", "tau", "seconds", "tokens_per_s")}})
+    rows, per_repeat, mismatches = _ceiling_repeats(runs, prompts, target, compare)
 
     context = ids[0][:max(1, min(len(ids[0]), target.cfg.max_context - B - 1))]
     ratio = verify_cost_ratio(target, context, B, repeats=verify_repeats)
@@ -699,19 +731,8 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "provenance": provenance(preset, **load),
     }
     if compare:
-        model_dtype = str(target.compute_dtype).removeprefix("torch.")
-        result["compare"] = {
-            "ar_old": {"what": "the project's AR on the transformers forward (DynamicCache) in float32: the path "
-                               "before the lean runtime (target.runtime=transformers target.dtype=float32)",
-                       "tokens_per_s": spreads["ar_old_tokens_per_s"]["median"]},
-            "generate": {"what": f"transformers' model.generate(), greedy, dynamic cache, {model_dtype}",
-                         "tokens_per_s": spreads["generate_tokens_per_s"]["median"]},
-            "generate_static": {"what": f"transformers' model.generate(), greedy, static cache, {model_dtype}",
-                                "tokens_per_s": spreads["generate_static_tokens_per_s"]["median"]},
-            "ar_over_old": spreads["ar_over_old"]["median"],
-            "ar_over_generate": spreads["ar_over_generate"]["median"],
-            "verify_cost_old": verify_cost_ratio(old, context, B, repeats=verify_repeats),
-        }
+        result["compare"] = {**_comparison(spreads, str(target.compute_dtype).removeprefix("torch.")),
+                             "verify_cost_old": verify_cost_ratio(old, context, B, repeats=verify_repeats)}
         result["provenance"]["target_runtime"] = {k: choice.get(k) for k in ("runtime", "dtype", "dtype_setting",
                                                                              "runtime_setting", "kernels")}
     write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "oracle_ceiling", result, rows)
