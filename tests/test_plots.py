@@ -258,3 +258,26 @@ def test_lever_rows_compare_one_machine_class_at_one_length():
     assert [(r["lever"], r["target_dtype"]) for r in got] == [
         ("base", "float32"), ("drafter.block_size=8", "float32"), ("drafter.num_layers=1", "float32")]
     assert lever_rows({"rows": rows[3:5]}) == [] and lever_rows(None) == []
+
+
+def test_report_says_which_decoding_files_decoded_the_drafters_this_run_trained(results):
+    """train_<method>.json's fingerprints against each decoding file's: the same, other drafters (named by
+    method), or none recorded; no sentence at all when training recorded none."""
+    from xpress.report import _drafters_sentence
+
+    def said():
+        return " ".join(_drafters_sentence(results))
+
+    prov = {"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "aaaaaaa1", "git_dirty": False,
+            "date": "2026-12-05"}
+    write(results, "tau_vs_k", {"weights": {"xpress": "trained"}, "fingerprints": {"xpress": "f3"}, "provenance": prov})
+    assert said() == ""
+    for m, fp in (("dflash", "f1"), ("markov", "f2"), ("xpress", "f3")):
+        write(results, f"train_{m}", {"method": m, "step": 1, "seconds": 1.0, "log": [], "fingerprint": fp,
+                                      "provenance": prov})
+    write(results, "resolution", {"fingerprints": {"dflash": "f1", "markov": "old", "xpress": "f3"}, "provenance": prov})
+    write(results, "draft_length", {"table": [], "provenance": prov})
+    text = said()
+    assert "`tau_vs_k.json` decoded the drafters this run trained" in text
+    assert "Other drafters than this run's: `resolution.json` (markov)." in text
+    assert "No fingerprint recorded (written before studies named their drafters): `draft_length.json`." in text

@@ -212,3 +212,28 @@ def test_make_drafter_falls_back_to_fresh_weights_only_when_asked(cfg, target, t
     assert drafter_weights(make_drafter("xpress", cfg, target, untrained_ok=True)) == "trained"
     with pytest.raises(ValueError, match="ar, oracle, random"):
         make_drafter("gru", cfg, target)
+
+
+def test_checkpoint_fingerprint_names_the_weights_and_only_the_weights(cfg, target, tmp_path):
+    """Two folders of the same weights share a fingerprint whatever else differs; one changed element of the
+    head (or of the drafter) changes it; a loaded drafter carries its folder's."""
+    from xpress.proposer import checkpoint_fingerprint, load_drafter
+
+    d = drafter("xpress", cfg, target)
+    a = save_drafter(tmp_path / "a", d.drafter, d.head, d.vocab, "xpress")
+    b = save_drafter(tmp_path / "b", d.drafter, d.head, d.vocab, "xpress")
+    (b / "trainer_state.pt").write_bytes(b"anything")
+    (b / "config.json").write_text((b / "config.json").read_text().replace("{", '{"note": "other", ', 1))
+    assert checkpoint_fingerprint(a) == checkpoint_fingerprint(b)
+    assert len(checkpoint_fingerprint(a)) == 16
+    with torch.no_grad():
+        next(d.head.parameters()).view(-1)[0] += 1.0
+    c = save_drafter(tmp_path / "c", d.drafter, d.head, d.vocab, "xpress")
+    assert checkpoint_fingerprint(c) != checkpoint_fingerprint(a)
+    with torch.no_grad():
+        next(d.head.parameters()).view(-1)[0] -= 1.0
+        d.drafter.fc.weight.view(-1)[0] += 1.0
+    e = save_drafter(tmp_path / "e", d.drafter, d.head, d.vocab, "xpress")
+    assert len({checkpoint_fingerprint(x) for x in (a, c, e)}) == 3
+    assert load_drafter(a, "xpress", cfg, target).fingerprint == checkpoint_fingerprint(a)
+    assert new_drafter("xpress", cfg, target).fingerprint is None

@@ -459,9 +459,10 @@ def test_resume_is_exact(root, data, monkeypatch):
     assert longer["warmstart"]["skipped"] and longer["xpress"]["step"] == 5 and not longer["xpress"].get("skipped")
 
 
-def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(root, data, monkeypatch):
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(root, data, target, monkeypatch):
     """A SIGINT in the middle of step 2 of 4: the step finishes, the stage saves step 2, writes its log as
-    interrupted and raises KeyboardInterrupt; run again, it ends where an uninterrupted stage does, bit for bit."""
+    interrupted and raises KeyboardInterrupt; run again, it ends where an uninterrupted stage does, bit for bit,
+    and names the weights it saved by the fingerprint a study that decodes them records."""
     import signal
 
     from xpress.train import loop
@@ -492,6 +493,15 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(r
     assert rest["step"] == 4 and rest["complete"] and not rest["interrupted"]
     ta, tb = _tensors(a / "probe"), _tensors(b / "probe")
     assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    # the stage names what it saved; a study that loads the folder names the same weights
+    from xpress.proposer import checkpoint_fingerprint
+    from xpress.studies.compare import fingerprints_of, make_drafters
+
+    assert rest["fingerprint"] == checkpoint_fingerprint(b / "probe") == checkpoint_fingerprint(a / "probe")
+    assert json.loads((b.parents[1] / "results" / "smoke" / "train_probe.json").read_text())["fingerprint"] == \
+        rest["fingerprint"]
+    (b / "xpress").symlink_to(b / "probe")  # where make_drafters looks for the xpress drafter
+    assert fingerprints_of(make_drafters(cfg, target, ["ar", "xpress"])) == {"xpress": rest["fingerprint"]}
     assert [r["loss"] for r in _log(a.parents[1], "probe")] == [r["loss"] for r in _log(b.parents[1], "probe")]
 
 

@@ -81,6 +81,7 @@ class ModelDrafter:
         if not 0 <= draft_tokens < self.block_size:
             raise ValueError(f"draft_tokens={draft_tokens} must lie in [0, {self.block_size - 1}] (0 = all)")
         self.draft_tokens = draft_tokens or self.block_size - 1
+        self.fingerprint: str | None = None  # checkpoint_fingerprint() of the folder it was loaded from
         self.context: ContextCache | None = None  # set by reset()
 
     @property
@@ -204,6 +205,31 @@ def save_drafter(folder: str | os.PathLike, drafter_net: DFlashDraftModel, head:
     return folder
 
 
+WEIGHT_FILES = ("model.safetensors", "head.safetensors", "draft_vocab.safetensors")
+
+
+def checkpoint_fingerprint(folder: str | os.PathLike) -> str:
+    """16 hex digits of SHA-256 over the tensors of a checkpoint folder's weight files (:data:`WEIGHT_FILES`,
+    those present): each tensor's file, name, dtype, shape and bytes, in name order. Two folders with the same
+    weights get the same fingerprint whatever else differs (file headers, config, trainer state), so that a
+    study can name the drafters it decoded and a reader can tell whether two files decoded the same ones."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    folder = paths.resolve(folder)
+    h = hashlib.sha256()
+    for name in WEIGHT_FILES:
+        if not (folder / name).is_file():
+            continue
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in sorted(f.keys()):
+                t = f.get_tensor(key).contiguous()
+                h.update(f"{name}/{key}:{t.dtype}:{tuple(t.shape)};".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def check_block_size(net: DFlashDraftModel, cfg, source: str | os.PathLike) -> None:
     """Raise :class:`DrafterMismatchError` when the drafter loaded from ``source`` drafts blocks of another
     size than ``cfg.drafter.block_size``: the preset is the one source of truth for B."""
@@ -290,8 +316,10 @@ def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: st
             head = HEADS[method](vocab, **json.loads(meta_file.read_text())["config"])
             head.load_state_dict(load_file(str(weights)))
             head = head.to(device=target.device, dtype=net.dtype)
-    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained",
-                        draft_tokens=cfg.decode.draft_tokens)
+    drafter = ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained",
+                           draft_tokens=cfg.decode.draft_tokens)
+    drafter.fingerprint = checkpoint_fingerprint(folder)
+    return drafter
 
 
 def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None = None,

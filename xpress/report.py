@@ -419,6 +419,11 @@ STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "res
                "regen_speed.json", "anchor_bias.json", "train_speed.json")
 
 
+# Files that decode with the trained drafters (and name them by their weights' fingerprints).
+DECODING_FILES = ("table1.json", "tau_vs_k.json", "batched.json", "resolution.json", "draft_length.json",
+                  "anchor_bias.json")
+
+
 def _origin_section(preset: str, folder: Path) -> list[str]:
     """Where the files come from: the ``make reproduce`` that wrote ``run.json`` (revision, machine, minutes),
     every notebook file whose provenance names another revision (so a mixed set cannot pass for one run),
@@ -453,7 +458,39 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
     if studies:
         out.append("Studies outside `make reproduce` (`make studies` or their own command), each at its own revision: "
                    + "; ".join(studies) + ".")
+    out += _drafters_sentence(folder)
     return [" ".join(out), ""] if out else []
+
+
+def _drafters_sentence(folder: Path) -> list[str]:
+    """Which trained drafters the decoding files decoded: their ``fingerprints``
+    (:func:`xpress.proposer.checkpoint_fingerprint`) against the weights ``train_<method>.json`` says its stage
+    saved. Nothing when no training file records a fingerprint (runs before fingerprints)."""
+    trained = {m: (_load(folder, f"train_{m}.json") or {}).get("fingerprint") for m in ("dflash", "markov", "xpress")}
+    trained = {m: f for m, f in trained.items() if f}
+    if not trained:
+        return []
+    same, other, unnamed = [], [], []
+    for name in DECODING_FILES:
+        data = _load(folder, name)
+        if data is None:
+            continue
+        prints = data.get("fingerprints")
+        if not prints:
+            unnamed.append(f"`{name}`")
+        elif all(trained.get(m) == fp for m, fp in prints.items()):
+            same.append(f"`{name}`")
+        else:
+            other.append(f"`{name}` ({', '.join(m for m, fp in prints.items() if trained.get(m) != fp)})")
+    out = []
+    if same:
+        out.append(f"{', '.join(same)} decoded the drafters this run trained (the weight fingerprints that "
+                   "`train_<method>.json` records).")
+    if other:
+        out.append(f"Other drafters than this run's: {', '.join(other)}.")
+    if unnamed:
+        out.append(f"No fingerprint recorded (written before studies named their drafters): {', '.join(unnamed)}.")
+    return out
 
 
 def results_markdown(preset: str, folder: Path | None = None) -> str:

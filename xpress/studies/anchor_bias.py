@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from .. import paths
 from ..config import Config
-from .compare import AR, LoadRecord, make_drafters, study_main
+from .compare import AR, LoadRecord, fingerprints_of, make_drafters, study_main
 from .draft_length import at_lengths
 
 
@@ -73,8 +73,8 @@ def run_anchor_bias(cfg: Config, target, methods: Sequence[str] | None = None, k
     rows = data.indices(split)[:n_prompts]
     if not rows:
         raise ValueError(f"no {split} sequences in {data.folder}: regenerate with data.n_{split}_prompts > 0")
-    drafters = {name: d for name, d in at_lengths(make_drafters(cfg, target, methods, untrained_ok), ks).items()
-                if d is not None}
+    loaded = make_drafters(cfg, target, methods, untrained_ok)
+    drafters = {name: d for name, d in at_lengths(loaded, ks).items() if d is not None}
     states = None if data.has_states else target
     by_method: dict[str, list] = {}  # a method's drafters at each k share one network
     for name, d in drafters.items():
@@ -112,7 +112,8 @@ def run_anchor_bias(cfg: Config, target, methods: Sequence[str] | None = None, k
     result = {"what": "tau by decoding (T = 0, batch 1, the validation prompts' regenerated answers) against "
                       "teacher-forced acceptance at decoding's own anchors and at every anchor, per method and k",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
-              "methods": methods, "split": split, "n_prompts": len(rows), "table": table, "warnings": load.stop(),
+              "methods": methods, "fingerprints": fingerprints_of(loaded), "split": split, "n_prompts": len(rows),
+              "table": table, "warnings": load.stop(),
               "seconds": time.perf_counter() - t0,
               "command": f"python -m xpress.studies.anchor_bias --preset {cfg.preset} --prompts {n_prompts} "
                          f"--draft-tokens {' '.join(str(k) for k in ks)}",

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 from .. import paths
 from ..utils import write_result
 from ..config import Config
-from .compare import AR, LoadRecord, agree_on_study, benchmark_prompts, make_drafters, study_main, warm_up, weights_of
+from .compare import (AR, LoadRecord, agree_on_study, benchmark_prompts, fingerprints_of, make_drafters, study_main,
+                      warm_up, weights_of)
 from .table1 import _all_warnings, _provenance
 
 # The paper's Table 2 (vLLM with FlashAttention-3, Qwen3-8B on one H200, greedy, 1024 generated tokens; arXiv
@@ -141,7 +142,8 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
     table = throughput_table(runs)
     result = {"what": "throughput at several batch sizes, greedy, same prompts, one run (Table 2 analogue)",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
-              "methods": list(drafters), "weights": weights_of(drafters), "batch_sizes": batch_sizes,
+              "methods": list(drafters), "weights": weights_of(drafters),
+              "fingerprints": fingerprints_of(drafters), "batch_sizes": batch_sizes,
               "n_prompts": n_prompts, "prompt_ids": [p["id"] for p in prompts], "max_new_tokens": max_new_tokens,
               "temperature": 0.0, "reference_batch_size": batch_sizes[0], "table": table, "runs": runs,
               "warnings": warnings, "command": f"python -m xpress.studies.batched --preset {cfg.preset}  (or notebook 06)",

@@ -55,6 +55,13 @@ def weights_of(drafters: Mapping[str, Any]) -> dict[str, str]:
     return {m: ("none" if d is None else drafter_weights(d)) for m, d in drafters.items()}
 
 
+def fingerprints_of(drafters: Mapping[str, Any]) -> dict[str, str]:
+    """``{method: fingerprint}`` of the drafters loaded from a checkpoint folder
+    (:func:`xpress.proposer.checkpoint_fingerprint`, the same as ``train_<method>.json``'s ``fingerprint`` when
+    they are the weights that stage saved); the others (AR, reference, untrained, released) are left out."""
+    return {m: d.fingerprint for m, d in drafters.items() if getattr(d, "fingerprint", None)}
+
+
 # ===================================================================================== machine load
 @dataclass
 class LoadRecord:

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 
 from .. import paths
 from ..config import Config
-from .compare import AR, LoadRecord, benchmark_prompts, decode_interleaved, make_drafters, study_main, warm_up
+from .compare import (AR, LoadRecord, benchmark_prompts, decode_interleaved, fingerprints_of, make_drafters, study_main,
+                      warm_up)
 
 DRAFT_TOKENS = (1, 2, 3, 0)  # 0: all B - 1, the paper's setting
 
@@ -89,7 +90,8 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
     prov = provenance(cfg.preset, torch_threads=torch.get_num_threads())  # the code as it starts, not as it ends
     load = LoadRecord.start()
     t0 = time.perf_counter()
-    drafters = at_lengths(make_drafters(cfg, target, methods, untrained_ok), ks)
+    loaded = make_drafters(cfg, target, methods, untrained_ok)
+    drafters = at_lengths(loaded, ks)
     prompts = benchmark_prompts(cfg, target, e.prompts_per_benchmark)
     warm_up(target, drafters, prompts[0]["ids"])
     rows = decode_interleaved(target, drafters, prompts, e.max_new_tokens, 0.0, cfg.seed, e.repeats, progress,
@@ -103,6 +105,7 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
                       "batch 1, Table 1's prompts, AR and every (method, k) interleaved per prompt",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
               "max_iters": cfg.head.max_iters, "benchmarks": list(cfg.data.benchmarks), "methods": methods,
+              "fingerprints": fingerprints_of(loaded),
               "draft_tokens": [k or cfg.drafter.block_size - 1 for k in ks],
               "prompts_per_benchmark": e.prompts_per_benchmark, "max_new_tokens": e.max_new_tokens,
               "repeats": e.repeats, "table": table, "best": {"method": best["method"], "k": best["k"],

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 from .. import paths
 from ..config import Config
 from ..utils import write_result
-from .compare import (LoadRecord, agree_on_study, benchmark_prompts, make_drafters, prompt_generator, prompt_order,
-                      study_main, weights_of)
+from .compare import (LoadRecord, agree_on_study, benchmark_prompts, fingerprints_of, make_drafters, prompt_generator,
+                      prompt_order, study_main, weights_of)
 from .table1 import BASELINES, HEAD, _all_warnings, _provenance, bootstrap_tau_ratio, prompts_needed
 
 REL = 0.05  # the tau difference to resolve
@@ -149,7 +149,8 @@ def run_resolution(cfg: Config, target, methods: Sequence[str] | None = None, pe
                       f"{REL:.0%} tau difference (Table 1's tau on more prompts)",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
               "max_iters": cfg.head.max_iters, "benchmarks": list(cfg.data.benchmarks), "methods": list(drafters),
-              "weights": weights_of(drafters), "prompts_per_benchmark": per_benchmark,
+              "weights": weights_of(drafters), "fingerprints": fingerprints_of(drafters),
+              "prompts_per_benchmark": per_benchmark,
               "max_new_tokens": max_new_tokens, "batch_size": batch_size, "temperatures": [0.0, temperature],
               "seed": cfg.seed, "rel": REL, "bootstrap_resamples": e.bootstrap,
               "taus": method_taus(rows), "table": table, "prompts_needed": prompts_needed(rows, REL),

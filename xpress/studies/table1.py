@@ -33,8 +33,8 @@ from typing import Any, Sequence
 from .. import paths
 from ..utils import write_result
 from ..config import Config
-from .compare import (AR, LoadRecord, agree_on_study, benchmark_prompts, decode_interleaved, make_drafters,
-                      prompt_order, study_main, warm_up, weights_of)
+from .compare import (AR, LoadRecord, agree_on_study, benchmark_prompts, decode_interleaved, fingerprints_of,
+                      make_drafters, prompt_order, study_main, warm_up, weights_of)
 
 HEAD = "xpress"
 BASELINES = ("dflash", "markov")
@@ -313,7 +313,8 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
               "max_iters": cfg.head.max_iters,
               "draft_tokens": cfg.decode.draft_tokens or cfg.drafter.block_size - 1,  # k verified per round
               "benchmarks": list(cfg.data.benchmarks), "methods": methods,
-              "weights": weights_of(drafters), "prompts_per_benchmark": per_benchmark,
+              "weights": weights_of(drafters), "fingerprints": fingerprints_of(drafters),
+              "prompts_per_benchmark": per_benchmark,
               "max_new_tokens": max_new_tokens, "repeats": repeats, "temperatures": [0.0] + ([temperature] if seeds else []),
               "sampling_seeds": seeds, "bootstrap_resamples": e.bootstrap,
               **table1_from_rows(rows, e.bootstrap, cfg.seed),

@@ -113,6 +113,7 @@ def tau_vs_k(cfg, target, methods: Sequence[str] = ("dflash", "markov", "xpress"
     from tqdm.auto import tqdm
 
     from ..methods import drafter_weights, make_drafter
+    from .compare import fingerprints_of
     from ..utils import provenance, write_result
     from .compare import benchmark_prompts
 
@@ -144,6 +145,7 @@ def tau_vs_k(cfg, target, methods: Sequence[str] = ("dflash", "markov", "xpress"
               "max_iters": cfg.head.max_iters, "ks": ks, "benchmarks": list(cfg.data.benchmarks),
               "prompts_per_benchmark": per_benchmark, "max_new_tokens": max_new_tokens,
               "weights": {m: drafter_weights(d) for m, d in drafters.items()},
+              "fingerprints": fingerprints_of(drafters),
               "summary": summary, "passes": passes, "rows": rows,
               "provenance": provenance(cfg.preset, load_average_before=load_before, load_average_after=os.getloadavg())}
     if save:

@@ -39,7 +39,7 @@ from .. import distributed, kernels, paths
 from ..config import Config
 from ..drafter import DFlashDraftModel
 from ..heads import MarkovHead, XPressRefiner
-from ..proposer import METHODS, ModelDrafter, load_drafter, new_drafter, save_drafter
+from ..proposer import METHODS, ModelDrafter, checkpoint_fingerprint, load_drafter, new_drafter, save_drafter
 from ..utils import DeferredInterrupt
 from ..vocab import DraftVocab
 from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
@@ -407,7 +407,8 @@ def _save(folder: Path, module: CoTrainer, vocab: DraftVocab, method: str, optim
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "log": log}, tmp / TRAINER_FILE)
         atomic_write_json(tmp / STATE_FILE, {"method": method, "step": step, "steps": steps,
                                               "complete": step >= steps, "signature": signature,
-                                              "signature_hash": config_hash(signature), **extra})
+                                              "signature_hash": config_hash(signature),
+                                              "fingerprint": checkpoint_fingerprint(tmp), **extra})
 
 
 def _lr(step: int, steps: int, cfg: Config) -> float:
@@ -674,7 +675,8 @@ class _StageRun:
                 **kernels_ran(self.cfg.train, self.accelerator.device),
                 "train_sequences": len(self.train_rows),
                 "train_response_tokens": self.data.answer_tokens(self.train_rows),
-                "final_val": final_eval, "checkpoint": paths.portable(self.folder), "skipped": False}
+                "final_val": final_eval, "checkpoint": paths.portable(self.folder),
+                "fingerprint": (read_state(self.folder) or {}).get("fingerprint"), "skipped": False}
 
 
 def run_stage(cfg: Config, stage: str, method: str, steps: int, *, target=None, data: RegenData | None = None,
