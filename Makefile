@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the resolution study, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -31,7 +31,7 @@ reproduce: setup
 # The oracle ceiling (AR vs a perfect drafter at B = 16, and AR vs transformers' generate()), then
 # the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup;
-# the resolution study, the verify-length study, regeneration's two engines and the co-training step's two loss paths
+# the verify-length study, regeneration's two engines and the co-training step's two loss paths
 # timed side by side.
 # Co-training levers (HEAD_LEVERS, at the preset's co-training steps) start from make reproduce's trained warm
 # start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
@@ -49,7 +49,6 @@ studies: setup
 		--from-warm-start --decode-prompts 48 $(HEAD_LEVERS) || exit 1; done
 	for m in $(HEAD_METHODS); do for n in $(HEAD_STEPS); do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) \
 		--method $$m --from-warm-start --decode-prompts 48 --steps $$n base || exit 1; done; done
-	$(BIN)/python -m xpress.studies.resolution --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) --draft-tokens 1,2,3,4,5,6,0 eval.repeats=2
 	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
 	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30

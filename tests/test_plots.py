@@ -281,3 +281,14 @@ def test_report_says_which_decoding_files_decoded_the_drafters_this_run_trained(
     assert "`tau_vs_k.json` decoded the drafters this run trained" in text
     assert "Other drafters than this run's: `resolution.json` (markov)." in text
     assert "No fingerprint recorded (written before studies named their drafters): `draft_length.json`." in text
+
+
+def test_the_resolution_file_is_a_notebook_file_where_the_preset_runs_it_in_notebook_04():
+    """cpu runs the resolution study in make reproduce (eval.resolution_in_run), so its file must come from that
+    run's revision; a results folder of no known preset keeps it among the studies'."""
+    from xpress.config import load_config
+    from xpress.report import STUDY_FILES, _study_files
+
+    assert load_config("cpu").eval.resolution_in_run
+    assert "resolution.json" not in _study_files("cpu") and "resolution.json" in _study_files("p")
+    assert set(_study_files("cpu")) == set(STUDY_FILES) - {"resolution.json"}

@@ -419,6 +419,18 @@ STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "res
                "regen_speed.json", "anchor_bias.json", "train_speed.json")
 
 
+def _study_files(preset: str) -> tuple[str, ...]:
+    """:data:`STUDY_FILES` for ``preset``: ``resolution.json`` is a notebook file where the preset runs it in
+    notebook 04 (``eval.resolution_in_run``)."""
+    from .config import ConfigError, load_config
+
+    try:
+        in_run = load_config(preset).eval.resolution_in_run
+    except ConfigError:  # results of no preset by that name (tests): every study file is a study's
+        in_run = False
+    return tuple(n for n in STUDY_FILES if not (in_run and n == "resolution.json"))
+
+
 # Files that decode with the trained drafters (and name them by their weights' fingerprints).
 DECODING_FILES = ("table1.json", "tau_vs_k.json", "batched.json", "resolution.json", "draft_length.json",
                   "anchor_bias.json")
@@ -435,6 +447,7 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
         if isinstance(prov, dict) and f.name != "run.json":
             provs[f.name] = prov
     run = _load(folder, "run.json")
+    study_files = _study_files(preset)
     out: list[str] = []
     if run:
         rp = run["provenance"]
@@ -450,11 +463,11 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
                        f"their last runs are at git {', '.join(revs)} (`run.json`).")
         others = [f"`{n}` (git {(p.get('git_revision') or '?')[:7]}{', dirty' if p.get('git_dirty') else ''})"
                   for n, p in provs.items()
-                  if n not in STUDY_FILES and (p.get("git_revision") != rev or p.get("git_dirty"))]
+                  if n not in study_files and (p.get("git_revision") != rev or p.get("git_dirty"))]
         if run.get("total_seconds") is not None:
             out.append(f"Notebook files from another revision or a dirty tree: {', '.join(others)}." if others
                        else "Every notebook file is from that revision, with a clean tree.")
-    studies = [f"`{n}` ({_where(provs[n])})" for n in STUDY_FILES if n in provs]
+    studies = [f"`{n}` ({_where(provs[n])})" for n in study_files if n in provs]
     if studies:
         out.append("Studies outside `make reproduce` (`make studies` or their own command), each at its own revision: "
                    + "; ".join(studies) + ".")
