@@ -277,10 +277,12 @@ def test_report_says_which_decoding_files_decoded_the_drafters_this_run_trained(
                                       "provenance": prov})
     write(results, "resolution", {"fingerprints": {"dflash": "f1", "markov": "old", "xpress": "f3"}, "provenance": prov})
     write(results, "draft_length", {"table": [], "provenance": prov})
+    write(results, "batched", {"weights": {"xpress": "untrained"}, "fingerprints": {}, "provenance": prov})
     text = said()
     assert "`tau_vs_k.json` decoded the drafters this run trained" in text
     assert "Other drafters than this run's: `resolution.json` (markov)." in text
     assert "No fingerprint recorded (written before studies named their drafters): `draft_length.json`." in text
+    assert "batched" not in text  # it loaded no checkpoint: nothing to say
 
 
 def test_the_resolution_file_is_a_notebook_file_where_the_preset_runs_it_in_notebook_04():

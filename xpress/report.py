@@ -489,8 +489,10 @@ def _drafters_sentence(folder: Path) -> list[str]:
         if data is None:
             continue
         prints = data.get("fingerprints")
-        if not prints:
+        if prints is None:
             unnamed.append(f"`{name}`")
+        elif not prints:  # no drafter from a checkpoint (untrained or reference drafters only)
+            continue
         elif all(trained.get(m) == fp for m, fp in prints.items()):
             same.append(f"`{name}`")
         else:
