@@ -453,6 +453,12 @@ def test_resume_is_exact(root, data, monkeypatch):
                            _tensors(a / "xpress")["model.safetensors/fc.weight"]), "co-training did not train"
     again = train(cfg, "xpress", progress=False)  # complete: nothing to do
     assert again["warmstart"]["skipped"] and again["xpress"]["skipped"]
+    # stopping at the warm start's last step (--stop-after its steps) leaves no step-0 stage of the method behind
+    c = _where(monkeypatch, root, "resume-c")
+    only = train(cfg, "xpress", progress=False, overwrite=True, stop_after=2)
+    assert list(only) == ["warmstart"] and only["warmstart"]["complete"]
+    assert not (c / "xpress").exists() and not (c.parents[1] / "results" / "smoke" / "train_xpress.json").exists()
+    assert all(torch.equal(v, _tensors(a / "warmstart")[k]) for k, v in _tensors(c / "warmstart").items())
     # co-training keys are not the warm start's: a longer co-training keeps it and retrains the method only
     longer = train(small("train.warm_start_steps=2", "train.steps=5", "train.consistency_weight=0.5", "head.rank=8"),
                    "xpress", progress=False, overwrite=True)

@@ -761,10 +761,10 @@ def train(cfg: Config, method: str, *, progress: bool = True, overwrite: bool = 
     elif cfg.train.warm_start_steps > 0:
         out[WARM_START] = run_stage(cfg, WARM_START, "dflash", cfg.train.warm_start_steps, target=target,
                                     data=data, progress=progress, overwrite=overwrite, stop_after=stop_after)
-        if not out[WARM_START]["complete"]:
-            return out
+        if not out[WARM_START]["complete"] or (stop_after is not None and stop_after <= cfg.train.warm_start_steps):
+            return out  # interrupted, or told to stop at the warm start's end: the method's stage is not opened
         init = str(checkpoint_dir(cfg, WARM_START))
-        stop_after = None if stop_after is None else max(0, stop_after - cfg.train.warm_start_steps)
+        stop_after = None if stop_after is None else stop_after - cfg.train.warm_start_steps
     out[method] = run_stage(cfg, method, method, cfg.train.steps, target=target, data=data, init=init,
                             progress=progress, overwrite=overwrite, stop_after=stop_after)
     return out
