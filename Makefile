@@ -32,7 +32,7 @@ reproduce: setup
 # the levers at full length (the preset's warm-start steps) and the data-scaling curve (the first 300 and 600
 # training sequences beside all of them): plain-drafter runs, each scored by tau by decoding and by speedup;
 # the verify-length study, regeneration's two engines and the co-training step's two loss paths
-# timed side by side.
+# timed side by side, and how much of the answers each draft vocabulary size reaches.
 # Co-training levers (HEAD_LEVERS, at the preset's co-training steps) start from make reproduce's trained warm
 # start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
 # co-training-steps curve).
@@ -53,6 +53,7 @@ studies: setup
 	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
 	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
+	$(BIN)/python -m xpress.studies.vocab_reach --preset $(PRESET)
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \

@@ -57,3 +57,25 @@ def test_save_load_roundtrip(tmp_path):
     w = DraftVocab.load(tmp_path / "draft_vocab.safetensors")
     assert w == v and w.target_size == 10
     assert DraftVocab.from_state_dict(v.state_dict()) == v
+
+
+
+def test_vocabulary_reach_counts_coverage_copies_and_bigrams():
+    from xpress.studies.vocab_reach import vocabulary_reach
+
+    # a 10-token vocabulary; training answers: 1 four times, 2 twice, 3 once (after 2); bigrams 0->1, 1->1, 2->3
+    train = [([0, 1, 1, 2, 3], 1), ([0, 1, 1, 2], 1)]
+    # validation answers: 1, 2, 3 (3 is in the prompt), then 5, 5 (the second a copy of the first)
+    val = [([3, 0, 1, 2, 3], 2), ([0, 5, 5], 1)]
+    rows = {r["draft_vocab_size"]: r for r in vocabulary_reach(train, val, 10, [2, 3, 0], always=[9])}
+    two = rows[2]  # {1, 9}: the most frequent and EOS
+    assert (two["val_tokens"], two["val_outside"]) == (5, 4)
+    assert two["val_coverage"] == pytest.approx(1 / 5) and two["train_coverage"] == pytest.approx(4 / 7)
+    assert two["outside_seen_before"] == pytest.approx(2 / 4) and two["outside_in_prompt"] == pytest.approx(1 / 4)
+    assert two["outside_bigram"] == pytest.approx(1 / 4) and two["inside_bigram"] == 1.0
+    three = rows[3]  # {1, 2, 9}
+    assert three["val_outside"] == 3 and three["train_coverage"] == pytest.approx(6 / 7)
+    assert three["outside_seen_before"] == pytest.approx(2 / 3) and three["inside_bigram"] == pytest.approx(1 / 2)
+    full = rows[10]  # size 0: the whole vocabulary
+    assert full["val_coverage"] == 1.0 and full["val_outside"] == 0 and full["outside_seen_before"] is None
+    assert full["inside_bigram"] == pytest.approx(2 / 5)

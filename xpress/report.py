@@ -416,7 +416,7 @@ def _batched_section(b: dict) -> list[str]:
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
 STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
-               "regen_speed.json", "anchor_bias.json", "train_speed.json")
+               "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json")
 
 
 def _study_files(preset: str) -> tuple[str, ...]:
