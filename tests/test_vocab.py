@@ -59,7 +59,6 @@ def test_save_load_roundtrip(tmp_path):
     assert DraftVocab.from_state_dict(v.state_dict()) == v
 
 
-
 def test_vocabulary_reach_counts_coverage_copies_and_bigrams():
     from xpress.studies.vocab_reach import vocabulary_reach
 
@@ -79,3 +78,11 @@ def test_vocabulary_reach_counts_coverage_copies_and_bigrams():
     full = rows[10]  # size 0: the whole vocabulary
     assert full["val_coverage"] == 1.0 and full["val_outside"] == 0 and full["outside_seen_before"] is None
     assert full["inside_bigram"] == pytest.approx(2 / 5)
+
+
+def test_vocab_reach_command_refuses_a_negative_size_before_loading_anything(capsys):
+    from xpress.studies.vocab_reach import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "smoke", "--sizes", "4096", "-1"])
+    assert e.value.code == 2 and "--sizes must be 0 (the whole vocabulary) or positive" in capsys.readouterr().err
