@@ -25,17 +25,10 @@ from typing import Any, Sequence
 import torch
 
 from .. import paths
+from ..train.regenerate import answer_token_counts
 from ..vocab import DraftVocab
 
 Sequences = Sequence[tuple[Sequence[int], int]]  # (token ids of prompt + answer, prompt length)
-
-
-def _counts(seqs: Sequences, vocab_size: int) -> torch.Tensor:
-    """How often each id occurs among the answer tokens of ``seqs``: [vocab_size] int64."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids, p in seqs:
-        counts += torch.bincount(torch.as_tensor(ids[p:], dtype=torch.int64), minlength=vocab_size)
-    return counts
 
 
 def _share(hits: int, n: int) -> float | None:
@@ -46,7 +39,7 @@ def vocabulary_reach(train: Sequences, val: Sequences, vocab_size: int, sizes: S
                      always: Sequence[int] = ()) -> list[dict[str, Any]]:
     """One row per draft vocabulary size in ``sizes`` (0: the whole vocabulary), chosen from ``train``'s answer
     counts as training chooses it, scored on ``val``'s answers (module docstring)."""
-    train_counts = _counts(train, vocab_size)
+    train_counts = answer_token_counts(train, vocab_size)
     successors: dict[int, Counter] = defaultdict(Counter)  # token -> its successors in the training answers
     for ids, p in train:
         for a, b in zip(ids[max(p, 1) - 1:-1], ids[max(p, 1):]):

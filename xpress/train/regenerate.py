@@ -47,7 +47,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -481,6 +481,15 @@ def _record(cfg: Config, manifest: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+def answer_token_counts(sequences: Iterable[tuple[Sequence[int], int]], vocab_size: int) -> torch.Tensor:
+    """How often each id occurs among the answer tokens of ``sequences`` ((prompt + answer ids, prompt length)
+    pairs): [vocab_size] int64."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, prompt_len in sequences:
+        np.add.at(counts, np.asarray(ids[prompt_len:], dtype=np.int64), 1)
+    return torch.from_numpy(counts)
+
+
 class RegenData:
     """Regenerated sequences of all shards, with memory-mapped captured states.
 
@@ -566,10 +575,7 @@ class RegenData:
 
     def token_counts(self, vocab_size: int, split: str = "train") -> torch.Tensor:
         """How often each target id occurs among the response tokens of ``split``: [V] int64."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        for i in self.indices(split):
-            np.add.at(counts, np.asarray(self.input_ids[i][self.prompt_len[i]:], dtype=np.int64), 1)
-        return torch.from_numpy(counts)
+        return answer_token_counts([(self.input_ids[i], self.prompt_len[i]) for i in self.indices(split)], vocab_size)
 
     def prompts(self, split: str) -> list[list[int]]:
         """The chat-formatted prompt ids of ``split`` (for tau by decoding on held-out sequences)."""
