@@ -261,6 +261,9 @@ def test_provenance_names_the_cpu_class():
     assert utils.cpu_class(amx) == "AMX-BF16, bfloat16, fused C++ layers, attention on AMX tiles"
     dot = {**bf16, "target_runtime": {"dtype": "bfloat16", "kernels": "fused", "attention": "bf16 products with AVX512-BF16"}}
     assert utils.cpu_class(dot) == "AVX512-BF16, bfloat16, fused C++ layers, bf16 attention"
+    emu = {**bf16, "target_runtime": {"dtype": "bfloat16", "kernels": "fused",
+                                      "attention": "bf16 products on AMX tiles emulated in software"}}
+    assert utils.cpu_class(emu) == "AVX512-BF16, bfloat16, fused C++ layers, attention on AMX tiles emulated in software"
     assert utils.cpu_class({"machine": {"cpu_model": "x"}}) == ""  # an older block: no claim
     old = {**bf16, "machine": {"cpu_model": "AMD EPYC", "torch_threads": 2}, "target_runtime": {}}
     assert report._where(old).startswith("AMD EPYC, 2 torch threads")

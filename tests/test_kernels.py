@@ -44,6 +44,46 @@ def test_the_kernels_split_their_work_over_torchs_threads(fused):
         torch.set_num_threads(threads)
 
 
+def test_the_tile_emulation_is_built_only_where_asked(fused):
+    """XPRESS_AMX_EMULATE=1 builds the tiles' intrinsics in software (csrc/amx_emulate.h), so that a CPU with
+    AVX-512 but no tiles runs the tiles' code; without it the build never emulates, and the status says which."""
+    asked = kn.amx_emulation_requested()
+    assert fused.amx_emulated() == asked
+    assert kn.status()["amx"] == ("emulated in software" if asked and fused.amx_ready() else
+                                  "tiles" if fused.amx_ready() else "none")
+    if asked:
+        assert fused.amx_ready() == ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags())
+        assert kn.bf16_unit(fused) == ("AMX tiles emulated in software" if fused.amx_ready() else "AVX512-BF16")
+
+
+@pytest.mark.skipif(kn.amx_emulation_requested(), reason="this run is the emulated one")
+def test_the_tiles_code_passes_this_files_tests_where_the_cpu_has_no_tiles(fused):
+    """The AMX tiles' products and attention run only on an Intel Xeon with AMX. Where this CPU has AVX-512
+    (which the code around the tiles needs) and no tiles, this file's tests, regeneration's engine and the
+    runtime's run again in a process whose kernels emulate the six tile instructions in software
+    (XPRESS_AMX_EMULATE=1): row invariance bit for bit, the float64 references, lossless decoding, on the tiles'
+    configurations, strides and layouts. (A mutation of the emulated TILELOADD that loads only the first 4 bytes of
+    a tile's sixteenth row fails nine of them.) Where the CPU has the tiles the ordinary run already covers them."""
+    import os
+    import subprocess
+    import sys
+
+    if fused.amx_ready():
+        pytest.skip("this CPU runs the tiles themselves: the ordinary tests cover them")
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("the code around the tiles needs AVX-512 (F, BW, VL, BF16), which this CPU does not offer")
+    from xpress.paths import REPO_ROOT
+
+    files = ["tests/test_kernels.py", "tests/test_continuous.py", "tests/test_runtime.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+                         cwd=REPO_ROOT, env={**os.environ, "XPRESS_AMX_EMULATE": "1"}, capture_output=True,
+                         text=True, timeout=1800)
+    tail = (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0 and " passed" in tail, tail
+    skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert not any("bf16" in line.lower() or "amx" in line.lower() for line in skipped), skipped
+
+
 def test_the_roofline_rates_are_measured_where_the_cpu_has_the_instructions(fused):
     """read_rate reads a buffer and times it; bf16_dot_rate runs VDPBF16PS chains only on a CPU with
     AVX512-BF16 (else 0, never a made-up figure); and a product cannot beat the rates it is built from."""
@@ -326,7 +366,7 @@ def test_bf16_fused_layers_on_amx_are_exact_and_lossless(fused, heads):
     assert target.meta["kernels"] == "fused" and target.meta["dtype"] == "bfloat16"
     tiles = heads == "width32"  # bf16 attention: on the tiles, or with AVX512-BF16 without them
     assert target.runtime.tile_attention == tiles
-    assert target.meta["attention"] == ("float32 (fused kernel)" if not tiles else "bf16 products on AMX tiles"
+    assert target.meta["attention"] == ("float32 (fused kernel)" if not tiles else f"bf16 products on {kn.bf16_unit(fused)}"
                                         if fused.amx_ready() else "bf16 products with AVX512-BF16")
     assert target.meta["row_invariance"]["exact"]
     assert ("AMX tiles" if fused.amx_ready() else "AVX512-BF16") in target.meta["kernels_reason"]
@@ -416,7 +456,7 @@ def test_without_the_kernels_auto_falls_back_and_fused_refuses(monkeypatch):
     monkeypatch.setattr(kn, "_state", {})
     monkeypatch.setenv("XPRESS_KERNELS", "0")
     assert kn.fused_cpu() is None and kn.status() == {"built": False, "reason": "XPRESS_KERNELS=0", "openmp": False,
-                                                "products": "float32"}
+                                                "amx": "none", "products": "float32"}
     t = load_target(load_config("smoke", ["target.kernels=auto"]))
     assert t.meta["kernels"] == "torch" and t.runtime.kernels is None
     if not rt.cpu_features()["avx512f"]:

@@ -30,6 +30,7 @@ from .paths import REPO_ROOT, cache_dir
 SOURCE = REPO_ROOT / "xpress" / "csrc" / "fused_cpu.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction the source does not write
 OPENMP = ["-fopenmp"]  # at::parallel_for is an OpenMP region in ATen's headers: without it, one thread
+EMULATE_AMX = ["-DXP_AMX_EMULATE"]  # csrc/amx_emulate.h: the AMX tiles in software (tests; XPRESS_AMX_EMULATE=1)
 _state: dict[str, Any] = {}
 _packed: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 # ids of the weights (+ "bf16" for a bf16 copy) -> (the weights, their versions, their packed stack): the copies
@@ -37,12 +38,29 @@ _packed: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tenso
 
 
 def status() -> dict[str, Any]:
-    """``{"built": bool, "reason": str, "openmp": bool, "products": str}`` of the last :func:`fused_cpu` call
-    (empty before any); ``openmp`` False: built without OpenMP, so the kernels run on one thread; ``products``:
+    """``{"built": bool, "reason": str, "openmp": bool, "amx": str, "products": str}`` of the last
+    :func:`fused_cpu` call (empty before any); ``openmp`` False: built without OpenMP, so the kernels run on one
+    thread; ``amx``: ``"tiles"``, ``"none"`` or ``"emulated in software"`` (:func:`amx_emulation_requested`); ``products``:
     ``"bfloat16"`` or ``"float32"``, what :func:`linear` multiplies in (:func:`use_bf16_products`)."""
     if "status" not in _state:
         return {}
     return {**_state["status"], "products": "bfloat16" if bf16_products() else "float32"}
+
+
+def amx_emulation_requested() -> bool:
+    """Whether ``XPRESS_AMX_EMULATE=1``: build the kernels with the AMX tile instructions run in software
+    (``xpress/csrc/amx_emulate.h``), so that a CPU with AVX512-BF16 but no tiles runs the tiles' code paths.
+    For tests of that code on machines without AMX; slow, and never chosen otherwise. ``status()["amx"]``
+    and the target's ``kernels_reason`` say so."""
+    return os.environ.get("XPRESS_AMX_EMULATE", "0") == "1"
+
+
+def bf16_unit(mod) -> str:
+    """What the loaded module ``mod`` runs bf16 products on: ``"AMX tiles"``, ``"AMX tiles emulated in
+    software"`` or ``"AVX512-BF16"`` (provenance's ``kernels_reason`` and ``attention``)."""
+    if not mod.amx_ready():
+        return "AVX512-BF16"
+    return "AMX tiles emulated in software" if mod.amx_emulated() else "AMX tiles"
 
 
 def bf16_products() -> bool:
@@ -73,7 +91,9 @@ def fused_cpu():
                 reason = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         openmp = openmp and module is not None
     _state["module"] = module
-    _state["status"] = {"built": module is not None, "reason": reason, "openmp": openmp}
+    _state["status"] = {"built": module is not None, "reason": reason, "openmp": openmp,
+                        "amx": ("none" if module is None or not module.amx_ready() else
+                                "emulated in software" if module.amx_emulated() else "tiles")}
     return module
 
 
@@ -201,8 +221,9 @@ def _build(extra: list[str]):
     if shutil.which("ninja") is None and venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     verify_ninja_availability()
-    flags = FLAGS + extra
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    flags = FLAGS + extra + (EMULATE_AMX if amx_emulation_requested() else [])
+    sources = b"".join(p.read_bytes() for p in sorted(SOURCE.parent.glob("*.[ch]*")))  # the .cpp and its headers
+    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:12]
     folder = cache_dir() / "kernels" / f"fused_cpu-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):

@@ -337,7 +337,10 @@ def attention_name(lean: LeanModel) -> str:
     """What the fused layer's attention computes in (provenance's ``attention``)."""
     if not lean.tile_attention:
         return "float32 (fused kernel)"
-    return "bf16 products on AMX tiles" if lean.kernels.amx_ready() else "bf16 products with AVX512-BF16"
+    from .kernels import bf16_unit
+
+    unit = bf16_unit(lean.kernels)
+    return f"bf16 products on {unit}" if lean.kernels.amx_ready() else f"bf16 products with {unit}"
 
 
 class LeanModel:

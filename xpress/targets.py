@@ -356,8 +356,9 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
         log.warning("the fused C++ layer is not available (%s): the target runs the PyTorch layer "
                     "(target.kernels=torch; slower at batch 1, same results)", reason)
         return None, "torch", f"auto: {reason}"
-    return module, "fused", reason + ((" (bf16 products on AMX tiles)" if module.amx_ready() else
-                                       " (bf16 products with AVX512-BF16)") if dtype == torch.bfloat16 else "")
+    unit = kn.bf16_unit(module)
+    return module, "fused", reason + ((f" (bf16 products on {unit})" if module.amx_ready() else
+                                       f" (bf16 products with {unit})") if dtype == torch.bfloat16 else "")
 
 
 def planned_runtime(tc: TargetConfig) -> str:

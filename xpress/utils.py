@@ -210,7 +210,8 @@ def cpu_class(prov: dict, dtype: bool = True) -> str:
            "AVX-512, no bf16" if f.get("avx512f") else "AVX2 only" if f.get("avx2") else "no AVX2")
     return isa + (f", {rt['dtype']}" if dtype and rt.get("dtype") else "") + (
         ", fused C++ layers" if dtype and rt.get("kernels") == "fused" else "") + (
-        (", attention on AMX tiles" if "AMX" in str(rt.get("attention")) else ", bf16 attention")
+        (", attention on AMX tiles" + (" emulated in software" if "emulated" in str(rt.get("attention")) else "")
+         if "AMX" in str(rt.get("attention")) else ", bf16 attention")
         if dtype and str(rt.get("attention", "")).startswith("bf16") else "")
 
 

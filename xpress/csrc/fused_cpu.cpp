@@ -198,6 +198,9 @@ void linear_into(const float* x, int64_t M, int64_t K, const float* W, int64_t N
 #define XP_AMX 1
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+#ifdef XP_AMX_EMULATE
+#include "amx_emulate.h"  // the tile intrinsics in software, for tests on a CPU without tiles
+#endif
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -450,7 +453,9 @@ inline bool wide() {
 // alone is not enough: a VM may grant tile state yet hide AMX-BF16 or AVX512-BF16, and the tiles' path would
 // then stop on an illegal instruction instead of falling back.
 bool amx_ready() {
-#ifdef XP_AMX
+#ifdef XP_AMX_EMULATE
+  return wide();  // amx_emulate.h stands in for the tiles; the code around them still needs AVX-512
+#elif defined(XP_AMX)
   static const bool ok = wide() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                          syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
@@ -1981,6 +1986,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "[N, K] float32 weight -> [N / 16, K, 16]");
   m.def("pack_bf16", &pack_bf16, "[N, K] weight -> [N / 16, K / 2, 16, 2] bf16, the AMX products' layout");
   m.def("amx_ready", &amx_ready, "whether bf16 products can run on AMX tiles here (CPU, kernel and build)");
+  m.def("amx_emulated", [] {
+#ifdef XP_AMX_EMULATE
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build runs the tile intrinsics in software (amx_emulate.h; XPRESS_AMX_EMULATE=1, tests only)");
   m.def("bf16_ready", &bf16_ready, "whether bf16 products run here: on AMX tiles, or with AVX512-BF16 without them");
   m.def("linear", &linear, "x [M, K] @ W.T with W packed by pack() or pack_bf16()");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm of x [M, H] by w [H]");
