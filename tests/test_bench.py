@@ -132,6 +132,8 @@ def test_oracle_ceiling_interleaves_and_stores_spread(tmp_path, monkeypatch):
     cmp = saved["compare"]
     assert cmp["ar_over_old"] == saved["spread"]["ar_over_old"]["median"] > 0
     assert cmp["ar_over_generate"] > 0 and cmp["verify_cost_old"]["loop_ratio"] > 0
+    assert saved["verify_cost_long"]["context_tokens"] == bench.LONG_CONTEXT > saved["verify_cost"]["context_tokens"]
+    assert saved["verify_cost_long"]["loop_ratio"] > 0 and saved["verify_cost_long"]["block_size"] == saved["block_size"]
     assert saved["runtime"]["runtime"] == "lean" and saved["mismatch_fraction"] == 0 and saved["divergences"] == []
     roof = saved["roofline"]
     if roof is not None:  # the fused kernels built here: the arithmetic floor of the verify beside the step

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import os
 import statistics
 import sys
@@ -577,6 +578,7 @@ def divergence(target: Target, prompt: Sequence[int], reference: Sequence[int], 
 
 
 CEILING_BLOCK = 16  # the oracle ceiling's default block size: the paper's B, tau = 16
+LONG_CONTEXT = 300  # the second context of the ceiling's verify cost (issue 17's "at a 300-token context")
 
 
 def _ceiling_runners(target, oracle, old, max_new_tokens: int) -> dict[str, Runner]:
@@ -655,8 +657,10 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
     oracle's greedy continuations (``max_new_tokens + B + 1`` tokens) are computed once before any timing
     (``oracle_prepare_s``, never counted as drafting). A speedup that contradicts its own tau
     (:func:`speedup_flag`) is not reported: ``speedup`` is then None, ``speedup_measured`` holds the number
-    and ``flag`` says why. The load average before and after goes with the provenance, and ``load_warning``
-    says when the machine was busy. Writes ``results/<preset>/oracle_ceiling.json`` and ``.csv``
+    and ``flag`` says why. ``verify_cost`` is :func:`verify_cost_ratio` after the first prompt,
+    ``verify_cost_long`` after :data:`LONG_CONTEXT` tokens of the prompts' text end to end (the attention of a
+    verify grows with the context, a step's much less). The load average before and after goes with the
+    provenance, and ``load_warning`` says when the machine was busy. Writes ``results/<preset>/oracle_ceiling.json`` and ``.csv``
     (atomically) and returns the JSON payload.
     """
     from .config import load_config
@@ -689,6 +693,9 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 
     context = ids[0][:max(1, min(len(ids[0]), target.cfg.max_context - B - 1))]
     ratio = verify_cost_ratio(target, context, B, repeats=verify_repeats)
+    longer = list(itertools.islice(itertools.cycle([t for p in ids for t in p]), LONG_CONTEXT))  # the prompts end to end
+    ratio_long = (verify_cost_ratio(target, longer, B, repeats=verify_repeats)
+                  if LONG_CONTEXT + B < target.cfg.max_context else None)
     load = load_check(load_start, load_average(), own_load=_threads(), others=(others_start, other_cpu_use()))
     spreads = {f"{name}_tokens_per_s": spread([p[name]["tokens_per_s"] for p in per_repeat]) for name in runners}
     spreads["speedup"] = spread([p["speedup"] for p in per_repeat])
@@ -724,7 +731,8 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
         "oracle_stage_seconds_last_repeat": {k: oracle_sd[k] for k in oracle_sd
                                              if k.endswith("_s") and k != "tokens_per_s"},
         "oracle_prepare_s": prepare_s,
-        "verify_cost": ratio,
+        "verify_cost": ratio,  # after the first prompt
+        "verify_cost_long": ratio_long,  # after LONG_CONTEXT tokens of the prompts' text (None past max_context)
         "roofline": roofline(target, ratio),
         "load_warning": load["load_warning"],
         "per_repeat": per_repeat,
