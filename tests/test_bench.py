@@ -302,6 +302,37 @@ def test_the_floor_line_states_the_memory_and_the_arithmetic_floor():
     assert "Floor of the verify: 1.02 one-token steps (6.00 ms, itself 1.12x its memory floor)" in text
 
 
+def test_provenance_names_what_made_the_tree_dirty(tmp_path, monkeypatch):
+    """git_dirty counts changed and untracked files outside results/ (a stray file could be code), and
+    git_dirty_files says which (git status --porcelain lines, at most DIRTY_LISTED), so that a reader can tell a
+    changed module from a log file; a clean tree has no list."""
+    import subprocess
+
+    from xpress import paths
+
+    repo = tmp_path / "repo"
+    (repo / "results").mkdir(parents=True)
+    run = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    run("add", "code.py")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(paths, "REPO_ROOT", repo)
+    monkeypatch.delenv("XPRESS_GIT_REVISION", raising=False)
+    clean = utils.provenance("smoke")
+    assert clean["git_dirty"] is False and "git_dirty_files" not in clean
+    (repo / "results" / "r.json").write_text("{}")  # results never make a tree dirty
+    assert utils.provenance("smoke")["git_dirty"] is False
+    (repo / "code.py").write_text("x = 2\n")
+    (repo / "run.log").write_text("log\n")
+    dirty = utils.provenance("smoke")
+    assert dirty["git_dirty"] is True and dirty["git_dirty_files"] == [" M code.py", "?? run.log"]
+    for i in range(utils.DIRTY_LISTED + 3):
+        (repo / f"f{i:02d}.txt").write_text("")
+    many = utils.provenance("smoke")["git_dirty_files"]
+    assert len(many) == utils.DIRTY_LISTED + 1 and many[-1] == "... and 5 more"  # code.py, run.log and 23 files
+
+
 def test_provenance_takes_a_sent_revision(monkeypatch):
     """A GPU machine gets a copy of the tree whose .git may be stale: the sender names the revision."""
     assert "git_from" not in utils.provenance("smoke") and utils.provenance("smoke")["git_revision"] != "f" * 40

@@ -158,10 +158,12 @@ def roofline_line(roof: dict) -> str:
             f"{roof['step_over_memory_floor']:.2f}x its memory floor); attention, norms and dispatch are not in it.")
 
 
-def _long_verify(ceiling: dict) -> str:
-    """``", 1.41x after 300"`` from ``verify_cost_long`` (files before it have none: "")."""
-    long = ceiling.get("verify_cost_long")
-    return f", {long['loop_ratio']:.2f}x after {long['context_tokens']}" if long else ""
+def _verify_contexts(ceiling: dict) -> str:
+    """``" after 114 tokens of context, 1.38x after 300"``: the contexts of ``verify_cost`` and
+    ``verify_cost_long`` (files before the latter have only the first)."""
+    first, long = ceiling["verify_cost"].get("context_tokens"), ceiling.get("verify_cost_long")
+    out = f" after {first} tokens of context" if first else ""
+    return out + (f", {long['loop_ratio']:.2f}x after {long['context_tokens']}" if long else "")
 
 
 def _break_even_section(folder: Path, t1: dict | None, ceiling: dict | None) -> list[str]:
@@ -562,8 +564,8 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
         out += [f"Oracle drafter ceiling (`oracle_ceiling.json`, `python -m xpress bench oracle-ceiling --preset {preset}`): "
                 f"AR {ceiling['ar_tokens_per_s']:.1f} tokens/s, oracle {ceiling['oracle_tokens_per_s']:.1f} tokens/s, "
                 f"speedup {_num(ceiling.get('speedup'))}x at tau {ceiling['tau']:.1f}; a verify of {ceiling['block_size']} tokens "
-                f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step after {ceiling['verify_cost']['context_tokens']} "
-                f"tokens of context{_long_verify(ceiling)} ({_where(ceiling['provenance'], dtype=False)}).", ""]
+                f"costs {ceiling['verify_cost']['loop_ratio']:.2f}x a 1-token step{_verify_contexts(ceiling)} "
+                f"({_where(ceiling['provenance'], dtype=False)}).", ""]
     run = _load(folder, "run.json")
     if run:
         times = ", ".join(f"{k} {v / 60:.1f} min" for k, v in run["notebook_seconds"].items())

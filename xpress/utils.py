@@ -147,6 +147,9 @@ class Stopwatch:
         return out
 
 
+DIRTY_LISTED = 20  # provenance lists at most this many of the paths git reports changed or untracked
+
+
 def provenance(preset: str, **extra: Any) -> dict[str, Any]:
     """What to store beside every measured number: machine, preset, git revision, date, versions."""
     import datetime
@@ -158,7 +161,7 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=paths.REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+                                  timeout=10).stdout.rstrip()  # porcelain lines may start with a space
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -177,8 +180,11 @@ def provenance(preset: str, **extra: Any) -> dict[str, Any]:
                "cpu_features": cpu_features()}  # one model name covers EPYCs with and without native bf16
     if torch.cuda.is_available():
         machine["gpu"] = torch.cuda.get_device_name(0)
-    revision = {"git_revision": git("rev-parse", "HEAD") or "unknown",
-                "git_dirty": bool(git("status", "--porcelain", "--", ".", ":!results"))}  # code not committed
+    changed = git("status", "--porcelain", "--", ".", ":!results").splitlines()  # code not committed
+    revision = {"git_revision": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(changed)}
+    if changed:  # what made it dirty, so that a reader can tell a changed module from a stray log file
+        revision["git_dirty_files"] = changed[:DIRTY_LISTED] + (
+            [f"... and {len(changed) - DIRTY_LISTED} more"] if len(changed) > DIRTY_LISTED else [])
     if os.environ.get("XPRESS_GIT_REVISION"):  # a copy of the tree sent without its history (a lent GPU machine)
         revision = {"git_revision": os.environ["XPRESS_GIT_REVISION"],
                     "git_dirty": os.environ.get("XPRESS_GIT_DIRTY", "0") == "1",
