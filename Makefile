@@ -54,6 +54,7 @@ studies: setup
 	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.vocab_reach --preset $(PRESET)
+	$(BIN)/python -m xpress.studies.draft_temperature --preset $(PRESET)
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \

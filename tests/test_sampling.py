@@ -104,7 +104,7 @@ def _joint_counts(token_lists: list[list[int]]) -> np.ndarray:
 
 def _gof_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
     """Chi-square goodness of fit; cells with expected count < min_expected are pooled into one."""
-    expected = probs.reshape(-1) * counts.sum()
+    expected = probs.reshape(-1) / probs.sum() * counts.sum()  # float32 probabilities sum to 1 only to ~1e-7
     small = expected < min_expected
     obs, exp = counts[~small], expected[~small]
     if expected[small].sum() > 0:
@@ -155,6 +155,18 @@ def test_rejection_accept_first_token_is_p():
         torch.manual_seed(5)
         d = torch.distributions.Dirichlet(torch.full((V,), 0.5))
         p, q = d.sample((4,)), d.sample((3,))
+    assert _gof_pvalue(_first_token_counts(p, q), p[0].double().numpy()) > 1e-3
+    assert _gof_pvalue(_first_token_counts(p, q, _wrong_residual), p[0].double().numpy()) < 1e-6
+
+
+def test_rejection_accept_with_greedy_drafts_is_p():
+    """Greedy drafts at T > 0 (xpress.studies.draft_temperature, t_d = 0): q one-hot on each drafted token, which
+    is then accepted with probability p(d); the first committed token is still distributed as p, and the wrong
+    residual is caught here too."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(6)
+        p = torch.distributions.Dirichlet(torch.full((V,), 0.5)).sample((4,))
+    q = torch.nn.functional.one_hot(torch.tensor([2, 5, 5]), V).float()  # [3, V]: the drafter's argmaxes
     assert _gof_pvalue(_first_token_counts(p, q), p[0].double().numpy()) > 1e-3
     assert _gof_pvalue(_first_token_counts(p, q, _wrong_residual), p[0].double().numpy()) < 1e-6
 

@@ -16,8 +16,8 @@ that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -578,7 +578,7 @@ def divergence(target: Target, prompt: Sequence[int], reference: Sequence[int], 
 
 
 CEILING_BLOCK = 16  # the oracle ceiling's default block size: the paper's B, tau = 16
-LONG_CONTEXT = 300  # the second context of the ceiling's verify cost (issue 17's "at a 300-token context")
+LONG_CONTEXT = 300  # the second context of the ceiling's verify cost: a verify's attention grows with the context
 
 
 def _ceiling_runners(target, oracle, old, max_new_tokens: int) -> dict[str, Runner]:

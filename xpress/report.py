@@ -238,6 +238,23 @@ def _anchor_bias_section(ab: dict) -> list[str]:
     return out + [""]
 
 
+def _draft_temperature_section(dt: dict) -> list[str]:
+    """tau at T > 0 with the drafters drawing at other temperatures (``draft_temperature.json``)."""
+    out = [f"**The drafters' own temperature at T = {dt['temperature']:g}** (`draft_temperature.json`, `{dt['command']}`; "
+           f"{dt['prompts_per_benchmark']} prompts per benchmark x {dt['max_new_tokens']} new tokens, batched, every "
+           f"drafter on the same prompts and random streams; {_where(dt['provenance'])}): tau when the drafters draw at "
+           f"t_d (0: greedy drafts, q one-hot), and its ratio to drawing at T with the paired bootstrap 95% interval; "
+           f"every row is lossless, since q is what each draft was drawn from.", "",
+           "| method | " + " | ".join(f"t_d = {t:g}" for t in dt["draft_temperatures"]) + " |",
+           "|---|" + "---|" * len(dt["draft_temperatures"])]
+    for m in dt["methods"]:
+        cells = {r["draft_temperature"]: r for r in dt["table"] if r["method"] == m}
+        out.append(f"| {m} | " + " | ".join(
+            f"{cells[t]['tau']:.3f} (x{cells[t]['ratio']:.3f} [{cells[t]['lo']:.3f}, {cells[t]['hi']:.3f}])"
+            for t in dt["draft_temperatures"]) + " |")
+    return out + [""]
+
+
 def _regen_speed_section(rs: dict) -> list[str]:
     """Regeneration's two engines timed in one run (``regen_speed.json``), one row per engine and batch size."""
     out = [f"**Regeneration engines** (`regen_speed.json`, `{rs['command']}`; the first {rs['prompts']} regeneration "
@@ -424,7 +441,7 @@ def _batched_section(b: dict) -> list[str]:
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
 STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
-               "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json")
+               "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json", "draft_temperature.json")
 
 
 def _study_files(preset: str) -> tuple[str, ...]:
@@ -441,7 +458,7 @@ def _study_files(preset: str) -> tuple[str, ...]:
 
 # Files that decode with the trained drafters (and name them by their weights' fingerprints).
 DECODING_FILES = ("table1.json", "tau_vs_k.json", "batched.json", "resolution.json", "draft_length.json",
-                  "anchor_bias.json")
+                  "anchor_bias.json", "draft_temperature.json")
 
 
 def _origin_section(preset: str, folder: Path) -> list[str]:
@@ -535,6 +552,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     ab = _load(folder, "anchor_bias.json")
     if ab:
         out += _anchor_bias_section(ab)
+    dtemp = _load(folder, "draft_temperature.json")
+    if dtemp:
+        out += _draft_temperature_section(dtemp)
     out += _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling)
     lat = _load(folder, "latency.json")
     if lat:
