@@ -63,7 +63,11 @@ def test_the_command_refuses_bad_temperatures_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--draft-temperatures '0,warm'" in err[0] and "e.g. 0,0.8,1" in err[0]
     assert dt.main(["--preset", "smoke", "--draft-temperatures", "0,-1"]) == 2
-    assert "0 or positive" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a negative temperature; use 0 (greedy drafts) or positive ones" in err[0]
+    assert dt.main(["--preset", "smoke", "--prompts", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prompts 0: give at least 1 prompt per benchmark" in err[0]
 
 
 def test_a_draft_keeps_its_fields_when_q_is_replaced():

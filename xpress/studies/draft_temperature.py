@@ -138,8 +138,12 @@ def _main(cfg: Config, target, args) -> int:
         print(f"error: --draft-temperatures {args.draft_temperatures!r}: give numbers separated by commas, e.g. "
               f"0,0.8,1", file=sys.stderr)
         return 2
-    if any(t < 0 for t in temps) or args.prompts < 1:
-        print("error: draft temperatures must be 0 or positive and --prompts at least 1", file=sys.stderr)
+    if any(t < 0 for t in temps):
+        print(f"error: --draft-temperatures {args.draft_temperatures!r}: a negative temperature; use 0 (greedy "
+              f"drafts) or positive ones", file=sys.stderr)
+        return 2
+    if args.prompts < 1:
+        print(f"error: --prompts {args.prompts}: give at least 1 prompt per benchmark", file=sys.stderr)
         return 2
     result = run_draft_temperature(cfg, target, temps, args.prompts, untrained_ok=cfg.target.source == "random",
                                    progress=not args.no_progress)
