@@ -1,6 +1,7 @@
 """A/B of the fused kernel's bf16 products at few rows: this tree's build against a git revision's, in one process.
 
-    python scripts/bf16_rows_ab.py --against bafceba   # writes results/cpu/kernel_ab/bf16_rows-bafceba.json (+ .csv)
+    python scripts/bf16_rows_ab.py --against bafceba   # writes results/cpu/kernel_ab/bf16_rows-bafceba.json (+ .csv);
+                                                       # the committed run: results/archive/cpu/kernel_ab/
 
 All of SmolLM2-135M's products (thirty layers of q/k/v, o, gate/up and down, and the LM head) on random bf16
 weights packed once (about 270 MB, so they stream from memory as a model's do), times one row count at a time,

@@ -294,3 +294,57 @@ def test_the_resolution_file_is_a_notebook_file_where_the_preset_runs_it_in_note
     assert load_config("cpu").eval.resolution_in_run
     assert "resolution.json" not in _study_files("cpu") and "resolution.json" in _study_files("p")
     assert set(_study_files("cpu")) == set(STUDY_FILES) - {"resolution.json"}
+
+
+def test_the_readme_glance_states_the_ratios_beside_the_papers_and_the_finding_in_one_sentence(results):
+    """README's result at a glance (report.glance_markdown): the resolution study's tau ratios with their
+    intervals beside the paper's, Table 1's taus and speedups, batched speed with the share of rows equal to
+    batch-1 AR, losslessness; the sentence first, its numbers the table's."""
+    from xpress.report import glance_markdown
+
+    assert "No Table 1" in glance_markdown("p", results)
+    table1_file(results)
+    t1 = json.loads((results / "table1.json").read_text())
+    t1.update(preset="p", target="tiny", prompts_per_benchmark=1, max_new_tokens=8, repeats=2, temperatures=[0.0, 1.0],
+              draft_tokens=3, lossless_t0=True,
+              provenance={"machine": {"cpu_model": "cpu", "torch_threads": 2}, "git_revision": "abc1234", "date": "2026"})
+    write(results, "table1", t1)
+    write(results, "resolution", {"preset": "p", "benchmarks": ["a", "b"], "prompts_per_benchmark": 24, "table": [
+        {"temperature": t, "baseline": b, "bench": "avg", "tau_ratio": r, "lo": r - 0.01, "hi": r + 0.01}
+        for t, b, r in ((0.0, "dflash", 1.05), (1.0, "dflash", 1.07), (0.0, "markov", 1.01))]})
+    write(results, "batched", {"n_prompts": 4, "batch_sizes": [1, 4], "table": [
+        {"batch_size": 4, "method": m, "speedup": s, "same_as_ar_b1": q}
+        for m, s, q in (("ar", 1.0, 0.75), ("dflash", 0.7, 0.5), ("xpress", 0.8, 0.625))]})
+    text = glance_markdown("p", results)
+    first, table = text.split("\n", 1)
+    assert first.startswith("**In one sentence:** here xPress accepts 1.05x dFlash's tokens per round [1.04, 1.06] "
+                            "at T = 0 and 1.07x at T = 1, against the paper's 1.28x and 1.41x, and 1.01x the Markov")
+    assert "| tau xPress / dFlash, T = 1 (24 prompts x 2 benchmarks, 95% interval) | 1.070 [1.060, 1.080] | 1.41 |" in table
+    assert "0.70 / 0.80x; outputs equal to batch-1 AR's: AR 75%, dFlash 50%, xPress 62%" in table
+    assert "3.0 / 3.6x (Table 2, batch 16" in table and "every T = 0 output equal to AR's: yes" in table
+    assert "git abc1234" in table and "tau xPress / Markov, T = 1" not in table  # no such cell: no row
+
+
+def test_reproduce_time_per_cpu_class_and_the_stages_table_say_what_they_measured(results, monkeypatch):
+    """classes_markdown: one row per CPU class from run.json files (this run's first), with the sizes each ran;
+    the training table names its held-out blocks and its few decoded prompts."""
+    from xpress import report
+
+    def run(features, minutes, on_bf16):
+        return {"notebook_seconds": {}, "total_seconds": 60.0 * minutes, "on_bf16": on_bf16, "provenance": {
+            "machine": {"cpu_model": "cpu", "torch_threads": 2, "cpu_features": features}}}
+
+    write(results, "run", run({"avx2": True, "avx512_bf16": True}, 62, ["train.steps=1500"]))
+    (results.parent / "old").mkdir()
+    write(results.parent / "old", "run", run({"avx2": True}, 113, []))
+    monkeypatch.setattr(report.paths, "REPO_ROOT", results.parent.parent)
+    monkeypatch.setitem(report.CLASS_RUNS, "p", (f"{results.parent.name}/old/run.json",))
+    text = report.classes_markdown("p", results)
+    assert "| cpu (AVX512-BF16), 2 threads (this run) | bfloat16 | the `on_bf16` sizes: `train.steps=1500` | 62 |" in text
+    assert "| cpu (AVX2 only), 2 threads | float32 | the base sizes | 113 |" in text
+    val = {"tau": 1.75, "tokens": 256, "prompts": 4, "val_tf_tau": 2.101, "val_blocks": 742}
+    write(results, "train_dflash", {"method": "dflash", "step": 1500, "seconds": 325.0, "train_response_tokens": 853251,
+                                    "log": [{"loss": 1.888, "tf_tau": 1.476}], "final_val": val})
+    text = report.training_markdown("p", results)
+    assert "held-out teacher-forced tau (742 blocks) | tau by decoding (4 validation prompts x 64 tokens) |" in text
+    assert "| dflash | dflash | 1500 | 325 | 853,251 | 1.888 | 2.101 | 1.75 |" in text and "1.476" not in text

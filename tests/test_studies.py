@@ -152,13 +152,15 @@ def test_a_failed_run_records_the_notebooks_that_finished(tmp_path, monkeypatch)
 
 
 def test_readme_results_agree_with_files():
-    """README.md's measured numbers are generated from results/<preset>/ (python -m xpress report)."""
-    from xpress.report import README, render
+    """The measured numbers of README.md, results/<preset>/README.md and docs/ are generated from results/<preset>/
+    (python -m xpress report); every file the report fills holds its sections."""
+    from xpress import report
 
-    text = README.read_text()
     for preset in ("cpu",):
-        assert render(preset, text) == text, (f"README.md disagrees with results/{preset}/: run "
-                                              f"`python -m xpress report --preset {preset}`")
+        assert report.stale(preset) == [], f"run `python -m xpress report --preset {preset}`"
+        for f, kinds in ((report.README, ("glance", "classes")), (report.targets(preset)[1], ("results", "durations")),
+                         (report.targets(preset)[2], ("training", "levers")), (report.targets(preset)[3], ("costs",))):
+            assert all(report._markers(preset, k)[0] in f.read_text() for k in kinds), f"{f} lost a generated section"
 
 
 def test_readme_durations_come_from_run_json(tmp_path, monkeypatch):

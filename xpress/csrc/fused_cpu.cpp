@@ -413,7 +413,7 @@ inline void dp_group(const uint16_t* xb, int64_t m0, int64_t M, int64_t K, const
 // from cache, and prefetching the next across the whole run: runs cut into groups of 12 panels left every
 // fourth group unprefetched, and 8, 16 and 24 rows 6-12% slower). 3 and 5-7 rows take one prefetching block of
 // their own size: in the 4 x 4 or 8 x 3 blocks they had no full block, so no row block prefetched and the
-// remainders waited on memory (scripts/bf16_rows_ab.py --against bafceba, results/cpu/kernel_ab/: Zen 5, all of
+// remainders waited on memory (scripts/bf16_rows_ab.py --against bafceba, results/archive/cpu/kernel_ab/: Zen 5, all of
 // SmolLM2-135M's products, 3 rows 7.5% and 5-7 rows 13-18% sooner, the same bits; in a one-off probe of an
 // intermediate build a prefetching block of 2 rows was 3% slower than the unprefetched one, so 2 rows stay).
 // done, pairs: as linear_into's.
