@@ -146,7 +146,7 @@ def test_report_shows_table1_batched_and_break_even(results):
     assert "The paper's Table 1 (Qwen3-8B" in text and "8.02" in text and "6.25" in text
     assert "tau(xPress) / tau(dFlash) = 1.62" in text                             # 3.25 / 2.0, by hand
     assert "**Break-even tau on this machine**" in text and "Warning: busy" in text
-    assert "2 torch threads, memory read 82 then 52 GB/s; git abc" in text  # the run's memory phase, each end
+    assert "2 torch threads, memory read 82 then 52 GB/s; 2026" in text and "git abc" not in text  # the run's memory phase, each end
     assert "| 4 | 40.0 (1.00x, tau 1.00) | 40.0 (1.00x, tau 1.00) |" in text
     assert "The paper's Table 2" in text and "batch 16: gsm8k 3.2x / 4.3x" in text and "batch 32: gsm8k 2.1x / 2.9x" in text
     cell = {"tau_ratio": 1.1, "lo": 1.06, "hi": 1.14, "resolved": True}

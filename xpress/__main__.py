@@ -12,7 +12,7 @@ Commands:
            (several processes, each its share of the shards: ``torchrun --nproc_per_node N -m xpress regenerate
            ...`` or ``accelerate launch -m xpress regenerate ...``; the studies too, e.g. ``torchrun
            --nproc_per_node N -m xpress.studies.table1 --preset cpu``, and .resolution, .batched)
-  report   README.md's results section from the result files: ``python -m xpress report --preset cpu``
+  report   the generated sections of README.md, results/<preset>/README.md and docs/ from the result files
   rehearsal-assets  write the qwen3-tiny stand-ins (target, released drafter) if missing:
            ``python -m xpress rehearsal-assets --preset qwen3-tiny`` (loading the target does it too)
   gpu-hours  GPU-hours per stage at a preset's sizes: ``python -m xpress gpu-hours --preset qwen3-8b``
@@ -301,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_gpu_hours)
 
-    p = sub.add_parser("report", help="rewrite README.md's results section from results/<preset>/")
+    p = sub.add_parser("report", help="rewrite the generated sections of README.md, results/<preset>/README.md and docs/ from results/<preset>/")
     p.add_argument("--preset", default="cpu")
-    p.add_argument("--check", action="store_true", help="exit 1 if README.md and the result files disagree")
+    p.add_argument("--check", action="store_true", help="exit 1 if a generated section and the result files disagree")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("latency", help="latency per block: refiner at K, Markov head, drafter, target (Table 3)")

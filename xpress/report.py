@@ -31,16 +31,17 @@ def _load(folder: Path, name: str) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def _where(prov: dict, dtype: bool = True) -> str:
-    """Machine, threads, git revision and date of a provenance block, in words (``dtype``: name the target's
-    compute dtype; off for files that time several dtypes)."""
+def _where(prov: dict, dtype: bool = True, rev: bool = False) -> str:
+    """Machine, threads and date of a provenance block, in words (``dtype``: name the target's compute dtype; off
+    for files that time several dtypes; ``rev``: the git revision too, which a page names once per file, in its
+    opening paragraph, rather than on every table)."""
     m = prov.get("machine", {})
     tag = "" if m.get("gpu") else cpu_class(prov, dtype)
     read = [x for x in prov.get("memory_read_gb_per_s") or [] if x is not None]  # LoadRecord's, where recorded
     memory = f", memory read {' then '.join(f'{x:.0f}' for x in read)} GB/s" if read else ""
+    revision = (f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, " if rev else "")
     return (f"{m.get('gpu') or m.get('cpu_model') or m.get('processor', '?')}{f' ({tag})' if tag else ''}, "
-            f"{m.get('torch_threads', '?')} torch threads{memory}; "
-            f"git {prov.get('git_revision', '?')[:7]}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('date', '?')[:10]}")
+            f"{m.get('torch_threads', '?')} torch threads{memory}; {revision}{prov.get('date', '?')[:10]}")
 
 
 def _num(x, fmt: str = ".2f", suffix: str = "") -> str:
@@ -351,7 +352,7 @@ def _gpu_section(folder: Path) -> list[str]:
                 "shown here and in notebook 05 when present.", ""]
     from .studies.table3 import beside_paper_table3
 
-    out = [f"**GPU latency (H200)** (`results/h200/latency.json`, {cmd}; {_where(h200['provenance'])}): per block, "
+    out = [f"**GPU latency (H200)** (`results/h200/latency.json`, {cmd}; {_where(h200['provenance'], rev=True)}): per block, "
            "beside the paper's Table 3 (its numbers, labelled paper):", "",
            "| shapes | component | measured as | median_ms | ratio_to_markov | paper us | paper ratio_to_markov |",
            "|---|---|---|---|---|---|---|"]
@@ -381,7 +382,7 @@ def _gpu_section(folder: Path) -> list[str]:
     if exact:
         c, frames = exact["compare"], exact["runtime"].get("frame_rows")
         out.append(f"- lossless on the GPU (`results/h200/oracle_ceiling.json`, `bash scripts/device_check.sh`; "
-                   f"{_where(exact['provenance'])}): the {exact['preset']} stand-in target in {exact['runtime']['dtype']}, "
+                   f"{_where(exact['provenance'], rev=True)}): the {exact['preset']} stand-in target in {exact['runtime']['dtype']}, "
                    f"transformers forward{f' on {frames}-position frames' if frames else ''}: "
                    f"{exact['n_prompts'] - len(exact['mismatched_prompts'])} of {exact['n_prompts']} prompts equal to greedy "
                    f"AR with the oracle drafter (tau {exact['tau']:.1f}); a {exact['verify_cost']['block_size']}-token verify "
@@ -482,7 +483,7 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
         rev = rp.get("git_revision")
         if run.get("total_seconds") is not None:
             out.append(f"**Where these numbers come from.** One `make reproduce` (`python -m xpress run --preset "
-                       f"{preset}`, {run['total_seconds'] / 60:.0f} min of notebooks; `run.json`) on {_where(rp)} "
+                       f"{preset}`, {run['total_seconds'] / 60:.0f} min of notebooks; `run.json`) on {_where(rp, rev=True)} "
                        f"wrote the notebooks' files.")
         else:
             revs = sorted({(r.get("git_revision") or "?")[:7] for r in run.get("notebooks", [])
@@ -495,7 +496,7 @@ def _origin_section(preset: str, folder: Path) -> list[str]:
         if run.get("total_seconds") is not None:
             out.append(f"Notebook files from another revision or a dirty tree: {', '.join(others)}." if others
                        else "Every notebook file is from that revision, with a clean tree.")
-    studies = [f"`{n}` ({_where(provs[n])})" for n in study_files if n in provs]
+    studies = [f"`{n}` ({_where(provs[n], rev=True)})" for n in study_files if n in provs]
     if studies:
         out.append("Studies outside `make reproduce` (`make studies` or their own command), each at its own revision: "
                    + "; ".join(studies) + ".")
@@ -702,12 +703,7 @@ def costs_markdown(preset: str, folder: Path | None = None) -> str:
     folder = folder or paths.REPO_ROOT / "results" / preset
     ceiling, t1 = _load(folder, "oracle_ceiling.json"), _load(folder, "table1.json")
     out = _cpu_engine_section(preset, _load(folder, "target_cost.json"), ceiling) + _break_even_section(folder, t1, ceiling)
-    if not out:
-        return f"No cost files in `results/{preset}/` yet.\n"
-    import re
-
-    # a reference doc names no revision: the file's provenance (and results/<preset>/README.md) does
-    return re.sub(r"; git [0-9a-f]{7}( \(dirty\))?, (\d{4}-\d\d-\d\d)", r", \2", "\n".join(out).strip()) + "\n"
+    return "\n".join(out).strip() + "\n" if out else f"No cost files in `results/{preset}/` yet.\n"
 
 
 def _ratio_cell(res: dict | None, t: float, base: str) -> dict | None:
