@@ -8,8 +8,9 @@ A section between ``<!-- <kind>:<preset>:begin -->`` and ``<!-- <kind>:<preset>:
 function :data:`SECTIONS` names for that kind, in the files :func:`targets` lists: in README.md the result at a
 glance (:func:`glance_markdown`) and the reproduce time per CPU class (:func:`classes_markdown`); in
 ``results/<preset>/README.md`` every table (:func:`results_markdown`) and the notebooks' minutes
-(:func:`durations_markdown`); in docs/training.md the stages and the levers' curves (:func:`training_markdown`, :func:`levers_markdown`); in docs/inference.md the
-target's costs (:func:`costs_markdown`). A test fails when any of them differs from what the files give.
+(:func:`durations_markdown`); in docs/training.md the stages and the levers' curves (:func:`training_markdown`,
+:func:`levers_markdown`); in docs/inference.md the target's costs (:func:`costs_markdown`). A test fails when any
+of them differs from what the files give.
 """
 from __future__ import annotations
 
