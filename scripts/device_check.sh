@@ -34,6 +34,7 @@
 # `XPRESS_GIT_REVISION=<git rev-parse HEAD here> bash scripts/device_check.sh` (the machine gets a copy of the
 # tree whose .git may be stale: the provenance takes the revision from the variable).
 set -u
+if [ -n "${OUT:-}" ]; then case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac; fi  # relative to where it was called
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
 DRY=${DEVICE_CHECK_DRY:-0}
