@@ -1,6 +1,7 @@
 """The GPU-hours estimate (:mod:`xpress.gpu_budget`): its arithmetic on hand-sized shapes, Qwen3-8B's
-parameter count against its model card, how the rows scale with the preset's sizes, and that the tables
-pasted in docs/gpu.md are what the command prints today."""
+parameter count against its model card, how the rows scale with the preset's sizes, that the hours follow the
+measured constants (results/<gpu>/latency.json, train_memory.json) and name them, and that the tables pasted in
+docs/gpu.md are what the command prints today."""
 from __future__ import annotations
 
 import json
