@@ -163,15 +163,17 @@ def _cmd_rehearsal_assets(args: argparse.Namespace) -> int:
 
 def _cmd_gpu_hours(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .gpu_budget import estimate_gpu_hours, format_table
+    from .gpu_budget import estimate_gpu_hours, format_table, load_measured
 
     cfg = load_config(args.preset, args.overrides)
     try:
-        rows = estimate_gpu_hours(cfg, gpu=args.gpu, utilization=args.utilization, world=args.world, tau=args.tau)
+        measured = None if args.measured == "none" else load_measured(cfg, args.measured, args.gpu)
+        rows = estimate_gpu_hours(cfg, gpu=args.gpu, utilization=args.utilization, world=args.world, tau=args.tau,
+                                  measured=measured)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau))
+    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau, measured=measured))
     return 0
 
 
@@ -298,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=DEFAULT_WORLD, help="training processes (GPUs)")
     p.add_argument("--tau", type=float, default=1.0, help="tokens per target forward assumed for the speculative "
                                                           "methods (1: an upper bound)")
+    p.add_argument("--measured", default=None, metavar="DIR",
+                   help="a folder of the device check's files (latency.json, train_memory.json) whose measured "
+                        "constants replace the model's; default: results/<the --gpu's name>/ of the repository; "
+                        "none: the model alone")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_gpu_hours)
 
