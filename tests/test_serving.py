@@ -71,7 +71,7 @@ def test_server_settings_load_and_change_the_data_hash():
 class FakeServer:
     """A transport answering like one of the servers: ``vllm`` (ids in, ``token_ids`` out, the stop token
     kept), ``old-vllm`` (ids in, ids only as ``"token_id:N"`` log-probabilities), ``llama.cpp`` (text in, text out,
-    an id prompt refused with 422, the end-of-generation token dropped). ``answer(ids) -> (ids, reason)``."""
+    an id prompt refused with HTTP 500, the end-of-generation token dropped). ``answer(ids) -> (ids, reason)``."""
 
     def __init__(self, kind, answer, tokenizer=None, fail_after=None):
         self.kind, self.answer, self.tok, self.fail_after = kind, answer, tokenizer, fail_after
@@ -89,7 +89,7 @@ class FakeServer:
         prompt = body["prompt"]
         if self.kind == "llama.cpp":
             if not isinstance(prompt, str):
-                raise ServerError("422: Input should be a valid string", 422)
+                raise ServerError("500: Input should be a valid string", 500)  # what llama-cpp-python 0.3 answers
             ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(prompt)

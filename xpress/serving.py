@@ -15,7 +15,7 @@ Token ids in and out, not text, wherever the server allows it; the first request
 - **older vLLM** returns them inside the log-probabilities (``logprobs`` with ``return_tokens_as_token_ids``:
   tokens written ``"token_id:N"``);
 - **llama.cpp's server from llama-cpp-python** (``python -m llama_cpp.server``, checked in its 0.3 source) accepts
-  neither: its request model types ``prompt`` as text only (a list of ids is refused with HTTP 422), and its
+  neither: its request model types ``prompt`` as text only (a list of ids is refused, with HTTP 500), and its
   completion holds text (its log-probabilities list token *strings*, not ids). There the prompt is sent as the template's text (which the server tokenizes with special
   tokens and no added BOS, as the target's tokenizer does; the prompt token count it reports is checked against
   the ids) and the answer's ids are the target's tokenization of ``prompt text + answer text`` past the prompt's
@@ -161,10 +161,13 @@ class Client:
             try:
                 response = self._call("POST", "/completions", self.request(prompt_ids, prompt_text, max_new_tokens))
             except ServerError as e:
-                if e.status not in (400, 422):
+                if e.status is None:  # unreachable: no use trying text
                     raise
-                self.prompt_as, self.answer_ids = "text", "re-tokenized"
-                return self.complete(prompt_ids, prompt_text, max_new_tokens)
+                self.prompt_as, self.answer_ids = "text", "re-tokenized"  # llama.cpp refuses ids (HTTP 500 or 422)
+                try:
+                    return self.complete(prompt_ids, prompt_text, max_new_tokens)
+                except ServerError as again:
+                    raise ServerError(f"{again} (sent as token ids: {e})", again.status) from None
             if _choice(response).get("token_ids") is None:  # an older vLLM: ids inside the log-probabilities
                 self.answer_ids = "logprobs"
                 return self.complete(prompt_ids, prompt_text, max_new_tokens)
