@@ -360,7 +360,8 @@ def _env(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_regeneration_through_a_llama_cpp_server_resumes_after_a_kill(tmp_path, llama_server):
+def test_regeneration_through_a_llama_cpp_server_resumes_after_a_kill(tmp_path, llama_server,
+                                                                      kill_after_first_shard):
     """The cpu preset's target served by llama.cpp from its Q4_1 GGUF: ``python -m xpress regenerate
     data.regen_engine=server`` writes non-empty answers and a manifest with the agreement; a run killed after its
     first shard resumes to the same rows, each prompt once, its finished shards untouched."""
@@ -384,18 +385,8 @@ def test_regeneration_through_a_llama_cpp_server_resumes_after_a_kill(tmp_path, 
     assert 0.5 < a["per_token"] <= 1.0, a  # llama.cpp on Q4_1 against the dequantized target: close, not equal
 
     folder = cut_root / "data" / "cpu" / "regen"
-    run = subprocess.Popen(_e2e(cut_root, llama_server), cwd=paths.REPO_ROOT, env=_env(cut_root),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 600
-        while not (folder / "shard-00000").is_dir():
-            assert run.poll() is None, "regenerate ended before its first shard appeared"
-            assert time.monotonic() < deadline, "no shard after 600 s"
-            time.sleep(0.02)
-        run.send_signal(signal.SIGKILL)
-    finally:
-        run.kill()
-        run.wait()
+    cut = kill_after_first_shard(_e2e(cut_root, llama_server), folder, _env(cut_root), 600)
+    assert cut.returncode == -signal.SIGKILL
     done = sorted(p.name for p in folder.glob("shard-*"))
     assert 1 <= len(done) < 3 and not (folder / "manifest.json").exists(), done
     before = {p.name: p.stat().st_mtime_ns for p in (folder / done[0] / "rows").iterdir()}

@@ -276,11 +276,13 @@ class Config:
             from .serving import url_problem
 
             problem = url_problem(self.data.regen_url)
-            _check(problem is None, f"data.regen_url={self.data.regen_url!r} {problem}: data.regen_engine=server needs "
-                                    f"the server's OpenAI-compatible base URL, e.g. data.regen_url=http://127.0.0.1:8000/v1")
+            _check(problem is None, f"data.regen_url={self.data.regen_url!r} {problem}: data.regen_engine=server "
+                                    f"needs the server's OpenAI-compatible base URL, e.g. "
+                                    f"data.regen_url=http://127.0.0.1:8000/v1")
             _check(not self.data.cache_features,
-                   "data.regen_engine=server takes token ids back, not the target's states: set data.cache_features=false "
-                   "(the trainer computes the states) or use an in-process engine (auto, continuous, batched)")
+                   "data.regen_engine=server takes token ids back, not the target's states: set "
+                   "data.cache_features=false (the trainer computes the states) or use an in-process engine "
+                   "(auto, continuous, batched)")
         _check(self.data.regen_check_every >= 0,
                f"data.regen_check_every={self.data.regen_check_every} must be >= 0 (1 = every served answer, 0 = none)")
         _check(self.train.batch_size >= 1 and self.train.anchors_per_seq >= 1,

@@ -16,9 +16,9 @@ Token ids in and out, not text, wherever the server allows it; the first request
   tokens written ``"token_id:N"``);
 - **llama.cpp's server from llama-cpp-python** (``python -m llama_cpp.server``, checked in its 0.3 source) accepts
   neither: its request model types ``prompt`` as text only (a list of ids is refused, with HTTP 500), and its
-  completion holds text (its log-probabilities list token *strings*, not ids). There the prompt is sent as the template's text (which the server tokenizes with special
-  tokens and no added BOS, as the target's tokenizer does; the prompt token count it reports is checked against
-  the ids) and the answer's ids are the target's tokenization of ``prompt text + answer text`` past the prompt's
+  completion holds text (its log-probabilities list token *strings*, not ids). There the prompt is sent as the
+  template's text (which the server tokenizes with special tokens and no added BOS, as the target's tokenizer
+  does; the prompt token count it reports is checked against the ids) and the answer's ids are the target's tokenization of ``prompt text + answer text`` past the prompt's
   ids, that is the answer tokenized the way a training sequence would be. Its end-of-generation token is
   dropped from the answer and not named, so a ``stop`` answer gets the target's first EOS id appended (the
   in-process engines keep the stop token too).
@@ -110,7 +110,8 @@ class Client:
     prompt_as: str = ""  # "token ids" or "text", set by probe
     answer_ids: str = ""  # "returned" ("choices[].token_ids"), "logprobs" or "re-tokenized", set by probe
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a fast tokenizer is not thread-safe
+    # a fast tokenizer is not thread-safe (each call resets its truncation and padding)
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _call(self, method: str, route: str, body: dict | None = None) -> dict[str, Any]:
         for attempt in range(RETRIES + 1):

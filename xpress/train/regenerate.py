@@ -41,8 +41,8 @@ the target xPress trains against.
 On disk, ``data/<preset>/regen/``: shards ``shard-00000/`` ... each written in one atomic rename, holding
 ``rows/`` (a ``datasets`` Arrow table: id, split, input_ids, loss_mask, prompt_len, finish_reason,
 offset; the server engine's also served_model, served_agree) and ``features.npy``, ``hidden.npy``, ``lse.npy``
-(rows of all its sequences, one after another, from ``offset``; none without ``data.cache_features``). ``manifest.json`` is written last: its presence with a matching config hash means the
-data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
+(rows of all its sequences, one after another, from ``offset``; none without ``data.cache_features``).
+``manifest.json`` is written last: its presence with a matching config hash means the data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
 only the missing ones (deterministic: the same prompts in the same shards), so no record is lost or
 duplicated; a complete run rerun does nothing. Under a launcher (:mod:`xpress.distributed`) each rank
 generates its share of the missing shards and rank 0 writes the manifest when all exist; the shards are
