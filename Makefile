@@ -1,7 +1,8 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite).
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite),
+# make setup-server (llama.cpp's OpenAI-compatible server, built from source in a few minutes: the slow suite's serving-engine test).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +11,7 @@ KERNEL := xpress
 PRESET ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup reproduce studies test test-slow lab clean-venv
+.PHONY: setup setup-server reproduce studies test test-slow lab clean-venv
 
 $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,13 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+SERVER_STAMP := $(VENV)/.installed-server
+$(SERVER_STAMP): requirements-server.txt $(STAMP)
+	$(BIN)/python -m pip install -q -r requirements-server.txt
+	touch $(SERVER_STAMP)
+
+setup-server: $(SERVER_STAMP)
 
 reproduce: setup
 	$(BIN)/python -m xpress run --preset $(PRESET)
@@ -61,7 +69,7 @@ test: setup
 		XPRESS_DATA=$(CURDIR)/.cache/test-data $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
 		--nbval-cell-timeout 900 tests notebooks $(PYTEST_ARGS)
 
-test-slow: setup
+test-slow: setup-server
 	$(BIN)/python -m pytest -m slow tests $(PYTEST_ARGS)
 
 lab: setup

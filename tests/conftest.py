@@ -1,7 +1,10 @@
-"""Shared fixtures: the smoke preset and its target (a tiny seeded random Llama), loaded once; and
-``torchrun``, the launcher of the several-process tests."""
+"""Shared fixtures: the smoke preset and its target (a tiny seeded random Llama), loaded once;
+``torchrun``, the launcher of the several-process tests; and ``kill_after_first_shard``, the interruption of
+the resume tests."""
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,5 +50,29 @@ def torchrun():
     def run(*args: str, env: dict[str, str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run([str(exe), "--standalone", "--nproc_per_node", str(nproc), *args], capture_output=True,
                               text=True, cwd=paths.REPO_ROOT, env=env, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def kill_after_first_shard():
+    """``kill_after_first_shard(command, folder, env, timeout)``: run ``command`` from the repository root and
+    SIGKILL it as soon as ``folder / "shard-00000"`` exists (a regeneration cut after its first shard); returns
+    the ended process. Fails if it ends on its own first or writes no shard within ``timeout`` seconds."""
+
+    def run(command: list[str], folder: Path, env: dict[str, str], timeout: float = 300) -> subprocess.Popen:
+        proc = subprocess.Popen(command, cwd=paths.REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout
+            while not (folder / "shard-00000").is_dir():
+                assert proc.poll() is None, "regenerate ended before its first shard appeared"
+                assert time.monotonic() < deadline, f"no shard after {timeout} s"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        return proc
 
     return run

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -183,20 +182,9 @@ def test_masks_splits_and_manifest(data, small_cfg, reference, target):
 
 
 # -------------------------------------------------------------------------------------------- resume
-def test_resume_after_kill_equals_uninterrupted_run(tmp_path, reference):
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path, reference, kill_after_first_shard):
     folder = _folder(tmp_path)
-    proc = subprocess.Popen(_command(), cwd=paths.REPO_ROOT, env=_env(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while not (folder / "shard-00000").is_dir():
-            assert proc.poll() is None, "regenerate ended before its first shard appeared"
-            assert time.monotonic() < deadline, "no shard after 300 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    proc = kill_after_first_shard(_command(), folder, _env(tmp_path))
     assert proc.returncode == -signal.SIGKILL
     done = sorted(p.name for p in folder.glob("shard-*"))
     assert not (folder / "manifest.json").exists() and 1 <= len(done) < N_SHARDS, done

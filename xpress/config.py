@@ -152,8 +152,14 @@ class DataConfig:
     regen_batch_size: int = 16  # prompts decoded together during regeneration
     # continuous: each sequence in its own cache row, a finished one's row refilled at once, every sequence
     # bit for bit its batch-1 greedy decode (needs the fused CPU kernels); batched: left-padded ragged batches
-    # run until their last row ends; auto: continuous where the target runs the fused kernels
+    # run until their last row ends; auto: continuous where the target runs the fused kernels; server: the prompts
+    # go to an OpenAI-compatible server (vLLM, SGLang, llama.cpp) at regen_url (xpress.serving), regen_batch_size
+    # requests in flight, and the target's states are computed by the trainer (needs cache_features: false)
     regen_engine: str = "auto"
+    regen_url: str = ""  # server engine: the server's OpenAI-compatible base URL, http://HOST:PORT/v1
+    # server engine: teacher-force the target over every k-th served answer and count where its argmax is the
+    # served token (the manifest's agreement); 1 = every answer, 0 = none
+    regen_check_every: int = 1
     regen_shard_size: int = 64  # prompts per shard on disk (the unit of resume)
     cache_features: bool = True  # store the target's features and readout during regeneration
 
@@ -264,8 +270,21 @@ class Config:
         sources = list(self.data.train_sources)
         _check(bool(sources) and len(set(sources)) == len(sources) and set(sources) <= set(TRAIN_SOURCES),
                f"data.train_sources={sources}: give distinct names from {', '.join(TRAIN_SOURCES)}")
-        _check(self.data.regen_engine in ("auto", "continuous", "batched"),
-               f"data.regen_engine={self.data.regen_engine!r}: use auto, continuous or batched")
+        _check(self.data.regen_engine in ("auto", "continuous", "batched", "server"),
+               f"data.regen_engine={self.data.regen_engine!r}: use auto, continuous, batched or server")
+        if self.data.regen_engine == "server":
+            from .serving import url_problem
+
+            problem = url_problem(self.data.regen_url)
+            _check(problem is None, f"data.regen_url={self.data.regen_url!r} {problem}: data.regen_engine=server "
+                                    f"needs the server's OpenAI-compatible base URL, e.g. "
+                                    f"data.regen_url=http://127.0.0.1:8000/v1")
+            _check(not self.data.cache_features,
+                   "data.regen_engine=server takes token ids back, not the target's states: set "
+                   "data.cache_features=false (the trainer computes the states) or use an in-process engine "
+                   "(auto, continuous, batched)")
+        _check(self.data.regen_check_every >= 0,
+               f"data.regen_check_every={self.data.regen_check_every} must be >= 0 (1 = every served answer, 0 = none)")
         _check(self.train.batch_size >= 1 and self.train.anchors_per_seq >= 1,
                "train.batch_size and train.anchors_per_seq must be at least 1")
         _check(self.train.max_len > self.drafter.block_size,

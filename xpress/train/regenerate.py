@@ -29,11 +29,20 @@ so the target distribution of token ``t`` over any draft vocabulary is
 final token's row is zero (it is never fed). Disk cost per token: ``2F + 2H + 4`` bytes (SmolLM2 with 5
 feature layers: 6,916 bytes).
 
+``data.regen_engine: server`` sends the prompts to an OpenAI-compatible server instead (vLLM, SGLang, or
+llama.cpp's on a CPU; ``data.regen_url``, :mod:`xpress.serving`): greedy, the chat-templated prompt as token ids
+to ``/v1/completions``, the answer's token ids back, ``data.regen_batch_size`` requests in flight. It stores no
+states (``data.cache_features: false``: the trainer runs the target), and the same shards and manifest; each
+row also holds the served model and how many of its answer tokens the target, teacher-forced over the served
+sequence, chooses too (every ``data.regen_check_every``-th prompt): the manifest's ``served_agreement``, per
+token and per answer, measures how far the server's weights and kernels (llama.cpp's Q4_1 file, say) are from
+the target xPress trains against.
+
 On disk, ``data/<preset>/regen/``: shards ``shard-00000/`` ... each written in one atomic rename, holding
 ``rows/`` (a ``datasets`` Arrow table: id, split, input_ids, loss_mask, prompt_len, finish_reason,
-offset) and ``features.npy``, ``hidden.npy``, ``lse.npy`` (rows of all its sequences, one after another,
-from ``offset``). ``manifest.json`` is written last: its presence with a matching config hash means the
-data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
+offset; the server engine's also served_model, served_agree) and ``features.npy``, ``hidden.npy``, ``lse.npy``
+(rows of all its sequences, one after another, from ``offset``; none without ``data.cache_features``).
+``manifest.json`` is written last: its presence with a matching config hash means the data are complete. An interrupted run (Ctrl-C, kill) keeps every finished shard; rerun, it regenerates
 only the missing ones (deterministic: the same prompts in the same shards), so no record is lost or
 duplicated; a complete run rerun does nothing. Under a launcher (:mod:`xpress.distributed`) each rank
 generates its share of the missing shards and rank 0 writes the manifest when all exist; the shards are
@@ -92,7 +101,9 @@ def regen_signature(cfg: Config) -> dict[str, Any]:
             "n_train_prompts": d.n_train_prompts, "n_val_prompts": d.n_val_prompts,
             "train_sources": list(d.train_sources),
             "regen_max_new_tokens": d.regen_max_new_tokens, "max_prompt_tokens": max_prompt_tokens(cfg),
-            "regen_shard_size": d.regen_shard_size, "cache_features": d.cache_features}
+            "regen_shard_size": d.regen_shard_size, "cache_features": d.cache_features,
+            # served answers are another engine's (the server's weights and kernels): other data
+            **({"engine": "server"} if d.regen_engine == "server" else {})}
 
 
 def config_hash(signature: dict[str, Any]) -> str:
@@ -225,11 +236,14 @@ def _prompts(cfg: Config, tokenizer) -> tuple[list[dict], int]:
 
 def regen_engine(cfg: Config, target) -> str:
     """The engine ``data.regen_engine`` resolves to for ``target``: ``continuous`` (:mod:`xpress.continuous`,
-    where the target runs the fused CPU kernels) or ``batched`` (left-padded ragged batches through
-    :func:`~xpress.decoding.generate_ar_batch`)."""
+    where the target runs the fused CPU kernels), ``batched`` (left-padded ragged batches through
+    :func:`~xpress.decoding.generate_ar_batch`) or ``server`` (an OpenAI-compatible server, :mod:`xpress.serving`;
+    chosen only by name)."""
     from ..continuous import available
 
     engine = cfg.data.regen_engine
+    if engine == "server":
+        return engine
     if engine == "auto":
         return "continuous" if available(target) else "batched"
     if engine == "continuous" and not available(target):
@@ -238,14 +252,19 @@ def regen_engine(cfg: Config, target) -> str:
     return engine
 
 
-def _shard_results(target, cfg: Config, shards: dict[int, list[dict]]
+def _shard_results(target, cfg: Config, shards: dict[int, list[dict]], client=None
                    ) -> Iterator[tuple[int, dict[str, list], dict[str, np.ndarray]]]:
     """``(shard index, table, arrays)`` for each of ``shards`` (index -> records) as it is complete.
 
     ``batched``: shard by shard, in ragged batches of prompts of similar length. ``continuous``: the prompts
     of every shard in one stream (shard order), so that the batch stays full across shard boundaries; a
-    shard is yielded once its last answer is in."""
-    if regen_engine(cfg, target) == "batched":
+    shard is yielded once its last answer is in. ``server``: the same stream through ``client``
+    (:func:`_served_shards`)."""
+    engine = regen_engine(cfg, target)
+    if engine == "server":
+        yield from _served_shards(target, cfg, shards, client)
+        return
+    if engine == "batched":
         for i, records in shards.items():
             yield i, *_generate_shard(target, cfg, records)
         return
@@ -261,6 +280,69 @@ def _shard_results(target, cfg: Config, shards: dict[int, list[dict]]
         results[i][j] = (f.token_ids, f.finish_reason, states)
         if len(results[i]) == len(shards[i]):
             yield i, *_shard_table(shards[i], results.pop(i))
+
+
+def server_client(cfg: Config, target):
+    """The :class:`xpress.serving.Client` of ``data.regen_url``, with the target's EOS ids as stop tokens and its
+    tokenizer for a server that returns text (llama.cpp)."""
+    from ..serving import Client
+
+    tok = target.tokenizer
+    return Client(cfg.data.regen_url, list(target.eos_token_ids),
+                  lambda text: tok(text, add_special_tokens=False)["input_ids"])
+
+
+def agreeing_tokens(target, ids: Sequence[int], prompt_len: int) -> int:
+    """How many answer tokens of ``ids`` (prompt + answer) are the target's argmax teacher-forced over them:
+    one forward of [1, T]."""
+    from ..targets import target_forward
+
+    x = torch.tensor([list(ids)])                                          # [1, T]
+    with torch.inference_mode():
+        logits = target_forward(target, x).logits[0, prompt_len - 1:-1]  # [T - P, V]: predicts ids[P:]
+    return int((logits.argmax(-1) == x[0, prompt_len:]).sum())
+
+
+def _served_shards(target, cfg: Config, shards: dict[int, list[dict]], client
+                   ) -> Iterator[tuple[int, dict[str, list], dict[str, np.ndarray]]]:
+    """The server engine: every shard's prompts (chat-templated ids, and the template's text for a server that
+    takes text) in one stream of ``data.regen_batch_size`` concurrent requests; a shard is yielded once its last
+    answer is in, its table holding, per row, the served model and ``served_agree``: the answer tokens where the
+    target teacher-forced over the served sequence chooses the served token (:func:`agreeing_tokens`; every
+    ``data.regen_check_every``-th prompt, -1 for the others)."""
+    from ..serving import generate_served
+    from ..targets import format_chat
+
+    size, every = cfg.data.regen_shard_size, cfg.data.regen_check_every
+    flat = [(i, j) for i, records in shards.items() for j in range(len(records))]
+    prompts = [(shards[i][j]["prompt_ids"], format_chat(target.tokenizer, shards[i][j]["turns"][:1])) for i, j in flat]
+    results: dict[int, dict[int, tuple]] = {i: {} for i in shards}
+    for f in generate_served(client, prompts, cfg.data.regen_max_new_tokens, cfg.data.regen_batch_size):
+        i, j = flat[f.index]
+        results[i][j] = (f.token_ids, f.finish_reason, None)
+        if len(results[i]) < len(shards[i]):
+            continue
+        table, arrays = _shard_table(shards[i], results.pop(i))
+        table["served_model"] = [client.model] * len(shards[i])
+        table["served_agree"] = [agreeing_tokens(target, ids, p) if every and (i * size + j) % every == 0 else -1
+                                 for j, (ids, p) in enumerate(zip(table["input_ids"], table["prompt_len"]))]
+        yield i, table, arrays
+
+
+def served_agreement(data: "RegenData") -> dict[str, Any] | None:
+    """The manifest's measure of how often the served answers agree with the target teacher-forced over them
+    (the server computes on its own weights and kernels: llama.cpp on the Q4_1 file, vLLM on its kernels): per
+    token and per answer that agrees fully, over the checked answers; None for data of another engine."""
+    checked = [i for i, a in enumerate(data.served_agree) if a is not None and a >= 0]
+    if not any(a is not None for a in data.served_agree):
+        return None
+    tokens = data.answer_tokens(checked)
+    agree = sum(data.served_agree[i] for i in checked)
+    full = sum(data.served_agree[i] == len(data.input_ids[i]) - data.prompt_len[i] for i in checked)
+    return {"checked_answers": len(checked), "checked_tokens": tokens, "agreeing_tokens": agree,
+            "per_token": agree / tokens if tokens else None, "answers_fully_agreeing": full,
+            "per_answer": full / len(checked) if checked else None,
+            "served_models": sorted({m for m in data.served_model if m is not None})}
 
 
 def _generate_shard(target, cfg: Config, records: list[dict]) -> tuple[dict[str, list], dict[str, np.ndarray]]:
@@ -417,10 +499,11 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
                desc=f"regenerate {cfg.preset}" + (f" ({world} processes)" if world > 1 else ""),
                disable=not (progress and main))
     engine = regen_engine(cfg, target)
+    client = server_client(cfg, target) if engine == "server" else None
     new_tokens, gen_s = 0, 0.0
     t0 = time.perf_counter()
     try:
-        for i, table, arrays in _shard_results(target, cfg, {i: shards[i] for i in mine}):
+        for i, table, arrays in _shard_results(target, cfg, {i: shards[i] for i in mine}, client):
             _write_shard(folder / _shard_name(i), table, arrays)
             gen_s = time.perf_counter() - t0
             new_tokens += sum(len(x) - p for x, p in zip(table["input_ids"], table["prompt_len"]))
@@ -458,7 +541,12 @@ def regenerate(cfg: Config, target=None, progress: bool = True, overwrite: bool 
             "this_run": {"new_response_tokens": tok, "seconds": time.perf_counter() - t_start,
                          "generation_seconds": wall, "tokens_per_s": tok / wall if wall else None,
                          "shards_generated": len(todo), "processes": len(ran), "engine": engine,
-                         "batch_size": cfg.data.regen_batch_size},
+                         "batch_size": cfg.data.regen_batch_size,
+                         **({"server": {"url": cfg.data.regen_url, "model": client.model or None,
+                                        "prompt_sent_as": client.prompt_as or None,
+                                        "answer_ids": client.answer_ids or None,
+                                        "check_every": cfg.data.regen_check_every}} if client else {})},
+            **({"served_agreement": served_agreement(data)} if engine == "server" else {}),
             "provenance": provenance(cfg.preset, **machine),
         }
         atomic_write_json(folder / MANIFEST, manifest)
@@ -502,6 +590,9 @@ class RegenData:
 
         self.folder, self.manifest = folder, manifest
         self.ids, self.split, self.input_ids, self.prompt_len, self.finish = [], [], [], [], []
+        # server engine: the served model and the teacher-forced agreeing answer tokens (-1: unchecked) per row
+        self.served_model: list[str | None] = []
+        self.served_agree: list[int | None] = []
         self._where: list[tuple[int, int]] = []  # (shard, offset)
         self._arrays: list[dict[str, np.ndarray]] = []
         for s, shard in enumerate(sorted(folder.glob("shard-*"))):
@@ -512,6 +603,8 @@ class RegenData:
             self.input_ids += cols["input_ids"]
             self.prompt_len += cols["prompt_len"]
             self.finish += cols["finish_reason"]
+            self.served_model += cols.get("served_model", [None] * len(cols["id"]))
+            self.served_agree += cols.get("served_agree", [None] * len(cols["id"]))
             self._where += [(s, o) for o in cols["offset"]]
             self._arrays.append({k: np.load(shard / f"{k}.npy", mmap_mode="r")
                                  for k in ("features", "hidden", "lse") if (shard / f"{k}.npy").is_file()})
