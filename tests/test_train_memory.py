@@ -203,3 +203,84 @@ def test_training_takes_the_launchers_gpu_before_loading_anything(monkeypatch, c
     assert "cuda:1" in placed and "cuda" not in placed and "cuda:0" not in placed
     # an explicit index and the CPU are kept
     assert distributed.local_device("cuda:3") == "cuda:3" and distributed.local_device("cpu") == "cpu"
+
+
+# --------------------------------------------------------------------------------------- memory model
+def test_memory_model_arithmetic():
+    from xpress.gpu_budget import Dims
+    from xpress.train.memory import LOSS_UNITS, StepShapes, head_params, step_memory
+
+    cfg = load_config("qwen3-8b", ["train.loss_chunk_blocks=8", "train.batch_size=2", "train.anchors_per_seq=8"])
+    t = Dims(hidden=64, layers=8, intermediate=192, heads=1, kv_heads=1, head_dim=64, vocab=1000)
+    s = StepShapes.of(cfg, t, cuda=True)
+    assert (s.loss_chunk, s.draft_vocab, s.target_bytes, s.compute_bytes) == (8, 1000, 2, 2)
+    one = {m: step_memory(cfg, m, s) for m in ("dflash", "markov", "xpress")}
+    unit = 8 * 15 * 1000 * 4  # c x P x Vd float32
+    assert one["xpress"]["loss_chunk_unit"] == unit
+    assert one["xpress"]["components"]["loss_chunk"] == LOSS_UNITS["xpress"] * unit
+    # a head adds its weights, gradients, AdamW moments and bf16 copies: 18 bytes per parameter
+    hp = head_params("markov", cfg, 1000, 64)
+    assert hp == 1001 * 256 + 1000 * 256
+    diff = {k: one["markov"]["components"][k] - one["dflash"]["components"][k]
+            for k in ("master_weights", "gradients", "adam_moments", "autocast_copies")}
+    assert diff == {"master_weights": 4 * hp, "gradients": 4 * hp, "adam_moments": 8 * hp, "autocast_copies": 2 * hp}
+    # twice the chunk: the loss term doubles, nothing else moves; unchunked = every block in one chunk
+    two = step_memory(load_config("qwen3-8b", ["train.loss_chunk_blocks=16", "train.batch_size=2",
+                                               "train.anchors_per_seq=8"]), "xpress", StepShapes.of(
+        load_config("qwen3-8b", ["train.loss_chunk_blocks=16", "train.batch_size=2", "train.anchors_per_seq=8"]), t, cuda=True))
+    assert two["components"]["loss_chunk"] == 2 * one["xpress"]["components"]["loss_chunk"]
+    whole = StepShapes.of(load_config("qwen3-8b", ["train.loss_chunk_blocks=0", "train.batch_size=2",
+                                                   "train.anchors_per_seq=8"]), t, cuda=True)
+    assert whole.loss_chunk == 16
+    # the baseline is added as given; the first step holds AdamW's moments only at its end
+    assert step_memory(cfg, "xpress", s, baseline=1e9)["peak"] == one["xpress"]["peak"] + 1e9
+    first = step_memory(cfg, "xpress", s, first_step=True)
+    assert first["peak"] < one["xpress"]["peak"]
+
+
+def test_the_preset_fits_80gb_and_gpu_hours_prints_the_peaks(capsys):
+    from xpress.__main__ import main
+    from xpress.train.memory import FITS_GB, stage_peaks, step_memory
+
+    cfg = load_config("qwen3-8b")
+    peaks = stage_peaks(cfg)
+    assert set(peaks) >= {"regenerate", "decode", "train dflash", "train markov", "train xpress"}
+    assert max(peaks.values()) < FITS_GB * 1e9, peaks
+    # without the chunking and checkpointing the preset would not fit: the model can say no
+    plain = load_config("qwen3-8b", ["train.loss_chunk_blocks=0", "train.gradient_checkpointing=false"])
+    assert step_memory(plain, "xpress")["peak"] > FITS_GB * 1e9
+    assert main(["gpu-hours", "--preset", "qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "peak GB/GPU" in out and f"| {peaks['train xpress'] / 1e9:.1f} |" in out
+
+
+def test_a_real_step_peaks_where_the_model_says():
+    """One xpress step in a fresh process at small shapes where the loss chunk dominates: its resident-set peak
+    is within 25% of the model's prediction (the baseline measured in that process)."""
+    from dataclasses import replace
+
+    from xpress.train.memory import StepShapes, _bytes, run_fresh, shrunk, step_memory
+
+    over = ["target.device=cpu", "train.max_len=256", "train.anchors_per_seq=8", "train.loss_chunk_blocks=32",
+            "train.state_chunk_tokens=256"]
+    got = run_fresh("qwen3-8b", "xpress", 32, 8, 1, 65536, over, timeout=900)
+    cfg, t = shrunk(load_config("qwen3-8b", over), 32, 8, 1, 65536)
+    shapes = replace(StepShapes.of(cfg, t, cuda=False), target_bytes=_bytes(got["target_dtype"]),
+                     compute_bytes=2 if got["mixed_precision"] == "bf16" else 4)
+    model = step_memory(cfg, "xpress", shapes, baseline=got["baseline_bytes"], first_step=True)
+    assert model["components"]["loss_chunk"] > 0.5 * (model["peak"] - got["baseline_bytes"])  # the loss term matters
+    assert abs(got["peak_bytes"] / model["peak"] - 1) <= 0.25, (got, model["components"], model["phases"])
+    assert got["peak_bytes"] > got["baseline_bytes"] and got["loss"] > 0
+
+
+@pytest.mark.slow
+def test_train_memory_bench_at_the_presets_loss_shapes(tmp_path):
+    """``python -m xpress bench train-memory --preset qwen3-8b --shrink`` for dflash (minutes on 2 cores)."""
+    import json
+
+    from xpress.__main__ import main
+
+    assert main(["bench", "train-memory", "target.device=cpu", "--preset", "qwen3-8b", "--shrink", "--methods",
+                 "dflash", "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    got = json.loads((tmp_path / "train_memory.json").read_text())["methods"]["dflash"]
+    assert got["within_25_percent"] and got["full_width_fits_80gb"]

@@ -171,7 +171,9 @@ def _cmd_gpu_hours(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau))
+    from .train.memory import stage_peaks
+
+    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau, memory=stage_peaks(cfg)))
     return 0
 
 
@@ -321,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_latency)
 
-    p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
+    p = sub.add_parser("bench", help="benchmark records (oracle-ceiling, target-cost, train-memory) under results/<preset>/")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
