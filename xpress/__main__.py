@@ -341,7 +341,12 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from .config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "bench" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides after the options (argparse stops at the first ones)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _apply_threads(args)
         return args.func(args)

@@ -2,6 +2,7 @@
 
     python -m xpress.bench oracle-ceiling --preset cpu     # writes results/<preset>/oracle_ceiling.{json,csv}
     python -m xpress bench oracle-ceiling --preset cpu     # the same through the main CLI
+    python -m xpress bench train-memory --preset qwen3-8b --shrink   # results/qwen3-8b/train_memory.{json,csv}
 
 ``oracle-ceiling`` runs, in one process and on the same prompts, autoregressive greedy decoding and
 speculative decoding with :class:`~xpress.reference_drafters.OracleDrafter` (whose greedy continuations
@@ -12,6 +13,12 @@ the ceiling is a property of the target and the machine, not of the block size a
 preset's drafters use 8, whose ceiling cannot pass 8x; Table 1's stage costs give its own verify cost).
 It also measures the cost of one B-token verify forward relative to a 1-token decoding step, the ratio
 that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged, not reported.
+
+``train-memory`` runs one training step per method, each in a fresh process, and compares its measured peak
+with the memory model (:mod:`xpress.train.memory`). Its options: ``--shrink`` (required: random weights with
+the widths divided by ``--width-divisor``, default 32), ``--layers T[,D]`` (target and drafter layers kept),
+``--methods``, ``--out-dir`` and config overrides (``target.device=cuda``); without a GPU (and without
+``target.device``) the step runs on the CPU.
 """
 from __future__ import annotations
 

@@ -333,10 +333,14 @@ def measure(preset: str = "qwen3-8b", methods: Sequence[str] = ("dflash", "marko
 
     cfg = load_config(preset, list(overrides))
     small_cfg, t = shrunk(cfg, divisor, layers or None, drafter_layers or None, vocab or None)
-    full_cfg = load_config(preset, [o for o in overrides if not o.startswith("target.device")] + ["target.device=cuda"])
+    # the full-width prediction: the preset's own shapes on a GPU, with only its memory settings overridden
+    full_cfg = load_config(preset, [o for o in overrides if o.split("=")[0] in MEMORY_KEYS] + ["target.device=cuda"])
+    folder = Path(out_dir) if out_dir else paths.RESULTS / preset
+    shapes_record = _shapes(divisor, t, small_cfg, cfg)
+    kept = _kept(folder / "train_memory.json", shapes_record, overrides)
     rows, per, result = [], {}, {}
     for method in tqdm(list(methods), desc="train-memory", unit="method", disable=not progress):
-        got = run_fresh(preset, method, divisor, layers, drafter_layers, vocab, overrides)
+        got = kept.get(method) or run_fresh(preset, method, divisor, layers, drafter_layers, vocab, overrides)
         cuda = got["device"].startswith("cuda")
         shapes = StepShapes.of(small_cfg, t, cuda=cuda)
         shapes = replace(shapes, target_bytes=_bytes(got["target_dtype"]),
@@ -353,31 +357,57 @@ def measure(preset: str = "qwen3-8b", methods: Sequence[str] = ("dflash", "marko
                      "predicted_peak_gb": model["peak"] / GB, "measured_over_predicted": ratio,
                      "step_seconds": got["step_seconds"], "full_width_predicted_gb": full["peak"] / GB,
                      "full_width_fits_80gb": full["peak"] <= FITS_GB * GB})
-        result = _record(preset, per, divisor, t, small_cfg, cfg, overrides, done=len(per) == len(methods))
-        write_result(Path(out_dir) if out_dir else paths.RESULTS / preset, "train_memory", result, rows)
+        result = _record(preset, per, shapes_record, overrides, done=len(per) == len(methods))
+        write_result(folder, "train_memory", result, rows)
     return result
 
 
-def _record(preset: str, per: dict, divisor: int, t: Dims, small_cfg: Config, cfg: Config, overrides: Sequence[str],
-            done: bool) -> dict[str, Any]:
+MEMORY_KEYS = ("train.loss_chunk_blocks", "train.state_chunk_tokens", "train.gradient_checkpointing",
+               "train.mixed_precision", "target.dtype")
+MEASURED = ("method", "device", "peak_bytes", "baseline_bytes", "peak_measure", "step_seconds", "loss", "grad_norm",
+            "target_dtype", "mixed_precision")
+
+
+def _shapes(divisor: int, t: Dims, small_cfg: Config, cfg: Config) -> dict[str, Any]:
+    return {"width_divisor": divisor, "target": asdict(t), "drafter_layers": small_cfg.drafter.num_layers,
+            "batch": cfg.train.batch_size, "anchors_per_seq": cfg.train.anchors_per_seq,
+            "block_size": cfg.drafter.block_size, "max_len": cfg.train.max_len, "vocab": t.vocab,
+            "loss_chunk_blocks": cfg.train.loss_chunk_blocks, "state_chunk_tokens": cfg.train.state_chunk_tokens,
+            "gradient_checkpointing": cfg.train.gradient_checkpointing}
+
+
+def _kept(path: Path, shapes: dict[str, Any], overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The measurements of an earlier run of the same shapes and overrides (an interrupted run resumes; the
+    predictions are recomputed by today's model), by method; none when the file is absent or of other shapes."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("shapes") != json.loads(json.dumps(shapes)) or old.get("overrides") != list(overrides):
+        return {}
+    prov = old.get("provenance", {})
+    first = {"git_revision": prov.get("git_revision"), "git_dirty_files": prov.get("git_dirty_files"),
+             "date": prov.get("date")}
+    return {m: {**{k: r[k] for k in MEASURED}, "measured_by": r.get("measured_by") or first}
+            for m, r in old.get("methods", {}).items() if all(k in r for k in MEASURED)}
+
+
+def _record(preset: str, per: dict, shapes: dict[str, Any], overrides: Sequence[str], done: bool) -> dict[str, Any]:
     """The ``train_memory.json`` payload; written after each method (``complete`` once all ran)."""
     from ..utils import provenance
 
-    return {"preset": preset, "complete": done, "methods": per,
-              "shapes": {"width_divisor": divisor, "target": asdict(t),
-                         "drafter_layers": small_cfg.drafter.num_layers, "batch": cfg.train.batch_size,
-                         "anchors_per_seq": cfg.train.anchors_per_seq, "block_size": cfg.drafter.block_size,
-                         "max_len": cfg.train.max_len, "vocab": t.vocab,
-                         "loss_chunk_blocks": cfg.train.loss_chunk_blocks,
-                         "state_chunk_tokens": cfg.train.state_chunk_tokens,
-                         "gradient_checkpointing": cfg.train.gradient_checkpointing},
-              "peak": ("CPU: the resident-set maximum (ru_maxrss) of the fresh process that ran the step, nothing "
+    return {"preset": preset, "complete": done, "methods": per, "shapes": shapes,
+            "resumed": "a method with measured_by was measured by that earlier run of the same shapes; its "
+                       "predictions are this run's",
+            "peak": ("CPU: the resident-set maximum (ru_maxrss) of the fresh process that ran the step, nothing "
                        "subtracted; its baseline (Python, torch, transformers, accelerate and xpress imported, before "
                        "the step) is measured in that process and is part of the prediction. CUDA: "
                        "torch.cuda.max_memory_allocated over the step (tensors only; baseline 0)"),
-              "full_width": "the preset at full width on a GPU, steady state (AdamW's moments held through the step)",
-              "fits_gb": FITS_GB, "overrides": list(overrides),
-              "provenance": provenance(preset, command=f"python -m xpress bench train-memory --preset {preset} --shrink")}
+            "full_width": ("the preset at full width and its own loss shapes on a GPU (only its memory settings "
+                             "overridden), steady state (AdamW's moments held through the step)"),
+            "fits_gb": FITS_GB, "overrides": list(overrides),
+            "provenance": provenance(preset, command=f"python -m xpress bench train-memory --preset {preset} --shrink "
+                                                       f"--width-divisor {shapes['width_divisor']} {' '.join(overrides)}".strip())}
 
 
 def stage_peaks(cfg: Config, world: int = 1) -> dict[str, float]:
