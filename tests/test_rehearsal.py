@@ -35,6 +35,8 @@ SIZE_KEYS = {
     "train.batch_size": "sequences per step",
     "train.max_len": "tokens per training sequence",
     "train.anchors_per_seq": "blocks per sequence (bounded by max_len)",
+    "train.loss_chunk_blocks": "blocks per loss chunk (bounded by batch x anchors)",
+    "train.state_chunk_tokens": "tokens per chunk of the target's logsumexp (bounded by max_len)",
     "train.checkpoint_every": "steps between checkpoints",
     "train.log_every": "steps between logged rows",
     "train.eval_every": "steps between validation decodes",

@@ -173,7 +173,10 @@ def _cmd_gpu_hours(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau, measured=measured))
+    from .train.memory import stage_peaks
+
+    print(format_table(rows, cfg, args.gpu, args.utilization, args.world, args.tau, measured=measured,
+                       memory=stage_peaks(cfg)))
     return 0
 
 
@@ -327,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.set_defaults(func=_cmd_latency)
 
-    p = sub.add_parser("bench", help="benchmark records (oracle-ceiling) under results/<preset>/")
+    p = sub.add_parser("bench", help="benchmark records (oracle-ceiling, target-cost, train-memory) under results/<preset>/")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
@@ -345,7 +348,12 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from .config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "bench" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides after the options (argparse stops at the first ones)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _apply_threads(args)
         return args.func(args)

@@ -2,6 +2,7 @@
 
     python -m xpress.bench oracle-ceiling --preset cpu     # writes results/<preset>/oracle_ceiling.{json,csv}
     python -m xpress bench oracle-ceiling --preset cpu     # the same through the main CLI
+    python -m xpress bench train-memory --preset qwen3-8b --shrink   # results/qwen3-8b/train_memory.{json,csv}
 
 ``oracle-ceiling`` runs, in one process and on the same prompts, autoregressive greedy decoding and
 speculative decoding with :class:`~xpress.reference_drafters.OracleDrafter` (whose greedy continuations
@@ -12,6 +13,12 @@ the ceiling is a property of the target and the machine, not of the block size a
 preset's drafters use 8, whose ceiling cannot pass 8x; Table 1's stage costs give its own verify cost).
 It also measures the cost of one B-token verify forward relative to a 1-token decoding step, the ratio
 that caps that speedup (speedup <= tau / ratio); a speedup above that is flagged, not reported.
+
+``train-memory`` runs one training step per method, each in a fresh process, and compares its measured peak
+with the memory model (:mod:`xpress.train.memory`). Its options: ``--shrink`` (required: random weights with
+the widths divided by ``--width-divisor``, default 32), ``--layers T[,D]`` (target and drafter layers kept),
+``--methods``, ``--out-dir`` and config overrides (``target.device=cuda``); without a GPU (and without
+``target.device``) the step runs on the CPU.
 """
 from __future__ import annotations
 
@@ -750,9 +757,11 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 # ================================================================================================ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments (shared by ``python -m xpress bench`` and this module)."""
-    parser.add_argument("study", choices=["oracle-ceiling", "target-cost"],
+    parser.add_argument("study", choices=["oracle-ceiling", "target-cost", "train-memory"],
                         help="oracle-ceiling: AR vs a perfect drafter, and AR vs transformers' generate(); "
-                             "target-cost: the target's forward per component (xpress.studies.target_cost)")
+                             "target-cost: the target's forward per component (xpress.studies.target_cost); "
+                             "train-memory: one training step per method, measured peak against the memory model "
+                             "(xpress.train.memory)")
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -761,12 +770,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"oracle-ceiling: the oracle's block size B = its tau (default {CEILING_BLOCK}, the paper's; "
                              "0: the preset's drafter.block_size)")
     parser.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmark names")
+    parser.add_argument("--shrink", action="store_true",
+                        help="train-memory: random weights with the target's widths divided (--width-divisor)")
+    parser.add_argument("--width-divisor", type=int, default=32,
+                        help="train-memory --shrink: divide hidden, MLP and head counts by this (default 32)")
+    parser.add_argument("--layers", default="8",
+                        help="train-memory: target layers kept, or TARGET,DRAFTER (default 8; the drafter keeps the preset's)")
+    parser.add_argument("--methods", default="dflash,markov,xpress", help="train-memory: comma-separated methods")
     parser.add_argument("--out-dir", default=None, help="default: results/<preset>/")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.study == "train-memory":
+        return _train_memory(args)
     if args.study == "target-cost":
         from .studies.target_cost import run_target_cost
 
@@ -785,6 +803,40 @@ def run(args: argparse.Namespace) -> int:
     for warning in (result["flag"], result["load_warning"]):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def _train_memory(args: argparse.Namespace) -> int:
+    """``bench train-memory``: :func:`xpress.train.memory.measure`; a CPU target where no GPU is visible."""
+    import torch
+
+    from .train.memory import measure
+
+    if not args.shrink:
+        raise DecodeInputError("train-memory runs random weights at divided widths: pass --shrink "
+                               "(and --width-divisor 1 for the full widths on a GPU that holds them)")
+    try:
+        layers = [int(x) for x in str(args.layers).split(",") if x.strip()]
+        if not 1 <= len(layers) <= 2 or min(layers) < 1:
+            raise ValueError
+    except ValueError:
+        raise DecodeInputError(f"--layers {args.layers!r}: give the target's layer count, or TARGET,DRAFTER "
+                               f"(e.g. 8 or 8,5)") from None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("dflash", "markov", "xpress")]
+    if bad or not methods:
+        raise DecodeInputError(f"--methods {args.methods!r}: use a comma-separated subset of dflash,markov,xpress")
+    overrides = list(args.overrides)
+    if not any(o.startswith("target.device=") for o in overrides) and not torch.cuda.is_available():
+        overrides.append("target.device=cpu")  # no GPU here: the step runs on the CPU
+    try:
+        result = measure(args.preset, methods, args.width_divisor, layers[0], layers[1] if len(layers) > 1 else 0,
+                         overrides=overrides, out_dir=args.out_dir, progress=not args.no_progress)
+    except (ValueError, RuntimeError) as e:
+        raise DecodeInputError(str(e)) from None
+    print(json.dumps({m: {k: r[k] for k in ("peak_bytes", "predicted_bytes", "measured_over_predicted",
+                                             "full_width_predicted_bytes", "full_width_fits_80gb")}
+                      for m, r in result["methods"].items()}, indent=2))
     return 0
 
 

@@ -134,6 +134,10 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto: bf16 autocast where bf16 is native (GPU, AVX512-BF16/AMX CPU); "no"; "bf16"
     loss_kernel: str = "auto"  # auto: the loss's per-row terms in one C++ call on a CPU where the kernels build; torch
     attention_kernel: str = "auto"  # auto: the drafter's attention over training blocks in C++ where the kernels build; torch
+    # memory (docs/gpu.md, "Training memory"): 0 / false keep the one-piece computation the CPU presets run
+    loss_chunk_blocks: int = 0  # blocks per chunk of the loss's vocabulary-wide terms, each chunk recomputed in backward (0 = one piece)
+    state_chunk_tokens: int = 0  # tokens per chunk of the target's logsumexp when its states are computed online (0 = full logits)
+    gradient_checkpointing: bool = False  # recompute each drafter layer in backward instead of keeping its activations
 
 
 @dataclass
@@ -296,6 +300,11 @@ class Config:
                f"train.mixed_precision={self.train.mixed_precision!r}: use auto, no or bf16")
         _check(self.train.attention_kernel in {"auto", "torch"},
                f"train.attention_kernel={self.train.attention_kernel!r}: use auto (the C++ attention where it builds) or torch")
+        _check(self.train.loss_chunk_blocks >= 0,
+               f"train.loss_chunk_blocks={self.train.loss_chunk_blocks} must be >= 0 (blocks per loss chunk; 0 = one piece)")
+        _check(self.train.state_chunk_tokens >= 0,
+               f"train.state_chunk_tokens={self.train.state_chunk_tokens} must be >= 0 (tokens per chunk of the target's "
+               f"logsumexp; 0 = full logits)")
         _check(self.train.loss_kernel in {"auto", "torch"},
                f"train.loss_kernel={self.train.loss_kernel!r}: use auto (the C++ loss where it builds) or torch")
         return self

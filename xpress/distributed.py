@@ -81,12 +81,28 @@ def setup() -> int:
     if n <= 1 or (dist.is_available() and dist.is_initialized()):
         return world_size()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" = this rank's own GPU
+        local_device("cuda")  # "cuda" = this rank's own GPU
     seconds = timeout_s()
     with _one_line(f"joining the {n} processes at {os.environ.get('MASTER_ADDR', '?')}:"
                    f"{os.environ.get('MASTER_PORT', '?')}"):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
     return world_size()
+
+
+def local_device(device: str) -> str:
+    """The device this process computes on, as a string: a bare ``cuda`` becomes this rank's own GPU
+    ``cuda:<LOCAL_RANK>`` (the launcher's variable; 0 without one), and that GPU is made current
+    (``torch.cuda.set_device``) so that any later bare ``cuda`` is it too. Call it before anything is loaded: a
+    model loaded first lands on GPU 0 in every process. Other devices (``cpu``, ``cuda:3``) come back unchanged,
+    an explicit GPU index made current as well."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return device
+    index = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0") or 0)
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def shutdown(meet: bool = True) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import kernels, paths
@@ -212,7 +213,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q.view(b, n, self.nh, self.d)).transpose(1, 2), cos, sin)
         k, v = self._kv(k, v, cos, sin)
         if isinstance(mask, BlockLayout):
-            o = _BlockAttention.apply(q, ctx_k, ctx_v, k, v, mask.lim, mask.block_size, mask.kernel)
+            o = mask.attend(q, ctx_k, ctx_v, k, v)  # [b, nh, n, d]
         else:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [b, nh, n, d]
@@ -316,23 +317,61 @@ def block_attention_mask(ctx_positions: torch.Tensor, ctx_valid: torch.Tensor, a
 @dataclass
 class BlockLayout:
     """:func:`block_attention_mask` where the context is one run of valid keys at positions 0, 1, ... (training
-    batches): block ``a`` of sequence ``s`` attends the first ``lim[s, a]`` context keys and its own block,
-    computed by the C++ kernel ``kernel`` (``block_attention_forward`` / ``_backward``), which reads only those
-    columns. lim [b, nb] int64."""
+    batches): block ``a`` of sequence ``s`` attends the first ``lim[s, a]`` context keys and its own block. With
+    ``kernel`` (the CPU's compiled kernels) the C++ ``block_attention_forward`` / ``_backward`` compute it, reading
+    only those columns; without (a GPU) PyTorch's flex attention does, over a block mask of the same rule, so
+    the dense scores [b, nh, nb*B, L + nb*B] are never materialised (compiled on CUDA; eager elsewhere, as the
+    CPU test runs it). lim [b, nb] int64."""
 
     lim: torch.Tensor
     block_size: int
-    kernel: Any
+    kernel: Any = None
+    _flex_mask: Any = None  # the flex BlockMask, built on first use and shared by the layers
 
     @classmethod
     def of(cls, context: "ContextCache", anchor_pos: torch.Tensor, block_size: int, kernel) -> "BlockLayout | None":
         """The layout of these blocks after ``context``, or None where the context is not such a run."""
         b, L = context.positions.shape
-        if context.positions.device.type != "cpu" or not bool(
-                (context.positions == torch.arange(L)).all() and (context.valid[:, 1:] <= context.valid[:, :-1]).all()):
+        dev = context.positions.device
+        if (kernel is not None and dev.type != "cpu") or not bool(
+                (context.positions == torch.arange(L, device=dev)).all()
+                and (context.valid[:, 1:] <= context.valid[:, :-1]).all()):
             return None
         lengths = context.valid.sum(1, keepdim=True)  # [b, 1]
         return cls(torch.minimum(anchor_pos, lengths).clamp_min(0).contiguous(), block_size, kernel)
+
+    def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Attention of the blocks' queries q [b, nh, n, d] over [ctx_k, k] / [ctx_v, v] ([b, kvh, L | n, d])
+        under this layout -> [b, nh, n, d]."""
+        if self.kernel is not None:
+            return _BlockAttention.apply(q, ctx_k, ctx_v, k, v, self.lim, self.block_size, self.kernel)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [b, kvh, L + n, d]
+        if torch.is_autocast_enabled(q.device.type):  # the products in the autocast dtype, as SDPA's would be
+            dt = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        b, n, L, B, lim = q.shape[0], q.shape[2], ctx_k.shape[2], self.block_size, self.lim
+        if self._flex_mask is None:
+            def rule(s, h, qi, kv):  # block a = qi // B sees context keys < lim[s, a] and its own B keys
+                a = qi // B
+                return ((kv < L) & (kv < lim[s, a])) | ((kv >= L) & ((kv - L) // B == a))
+
+            self._flex_mask = create_block_mask(rule, b, None, n, L + n, device=q.device)
+        return _flex(q.device.type)(q, k.to(q.dtype), v.to(q.dtype), block_mask=self._flex_mask, enable_gqa=True)
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def _flex(device_type: str):
+    """flex_attention, compiled on CUDA (where only the compiled kernel avoids the dense scores), eager elsewhere."""
+    if device_type not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX[device_type] = torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    return _FLEX[device_type]
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -383,6 +422,7 @@ class DFlashDraftModel(nn.Module):
         self._target_io: tuple[nn.Embedding, nn.Linear] | None = None
         self._readout: tuple | None = None  # (weight, its version, d2t, weight[d2t]): readout_weight()'s copy
         self._rope_table = RopeTable(c.head_dim, c.rope_theta)
+        self.gradient_checkpointing = False  # train.gradient_checkpointing: recompute each layer in backward
 
     # ------------------------------------------------------------------------------- target binding
     def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "DFlashDraftModel":
@@ -475,13 +515,19 @@ class DFlashDraftModel(nn.Module):
         # one block per sequence after a context that is all real and all before its anchor (inference's
         # case): every key is attended, so no mask is built
         first = int(anchor_pos.min()) if nb == 1 and context.dense else -1
-        layout = (BlockLayout.of(context, anchor_pos, B, attention_kernel)
-                  if attention_kernel is not None and nb > 1 and self.config.head_dim in (16, 32, 64, 128) else None)
+        # several blocks per sequence (training): the C++ kernel's layout on a CPU, flex attention on a GPU
+        layout = (BlockLayout.of(context, anchor_pos, B, attention_kernel) if nb > 1 and (
+            (attention_kernel is not None and self.config.head_dim in (16, 32, 64, 128)) or anchor.device.type == "cuda")
+            else None)
         mask = (None if context.end <= first else layout or  # [b, 1, nb*B, L+nb*B]
                 block_attention_mask(context.positions, context.valid, anchor_pos, B))
         cos, sin = self._rope_table(pos, self.dtype)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer, k, v in zip(self.layers, context.keys, context.values):
-            x = layer(x, cos, sin, k, v, mask)
+            if recompute:  # keep only the layer's input; its activations are recomputed in backward
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, k, v, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, k, v, mask)
         return self.norm(x).view(b, nb, B, -1)
 
     def _fused_block(self, anchor: torch.Tensor, a: int, context: ContextCache) -> torch.Tensor | None:
@@ -499,11 +545,13 @@ class DFlashDraftModel(nn.Module):
                 return None
         return self.norm(x).view(1, 1, B, -1)
 
-    def base_logits(self, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
+    def base_logits(self, hidden: torch.Tensor, vocab=None, float32: bool = True) -> torch.Tensor:
         """Base logits ``s = lm_head.weight[vocab.d2t] @ h``: hidden [..., H] -> float32 [..., Vd]
-        (the full target vocabulary when ``vocab`` is None; the targets' lm_heads have no bias)."""
+        (the full target vocabulary when ``vocab`` is None; the targets' lm_heads have no bias). ``float32=False``:
+        in the product's own dtype (bf16 under autocast: the chunked training loss keeps them so)."""
         w = self.readout_weight(vocab, hidden.device)
-        return kernels.linear(hidden.to(w.dtype), w).float()
+        s = kernels.linear(hidden.to(w.dtype), w)
+        return s.float() if float32 else s
 
     def readout_weight(self, vocab=None, device: torch.device | str | None = None) -> torch.Tensor:
         """The target lm_head's rows of the draft vocabulary, ``lm_head.weight[vocab.d2t]`` [Vd, H] (the whole

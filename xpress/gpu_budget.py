@@ -605,9 +605,10 @@ def estimate_gpu_hours(cfg: Config, gpu: GPU | str = DEFAULT_GPU, utilization: f
 
 def format_table(rows: list[dict[str, Any]], cfg: Config, gpu: GPU | str = DEFAULT_GPU,
                  utilization: float = DEFAULT_UTILIZATION, world: int = DEFAULT_WORLD, tau: float = 1.0,
-                 measured: Measured | None = None) -> str:
-    """The rows as a Markdown table with a one-line header naming the assumptions, then (``measured``) the
-    measured constants and each stage's source (:func:`format_sources`)."""
+                 measured: Measured | None = None, memory: dict[str, float] | None = None) -> str:
+    """The rows as a Markdown table with a one-line header naming the assumptions; ``memory``: predicted peak
+    bytes per GPU by stage (``train <method>``, ``regenerate``, ``decode`` for every decoding stage), a column;
+    then (``measured``) the measured constants and each stage's source (:func:`format_sources`)."""
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
     tg, dr = target_dims(cfg), drafter_dims(cfg, target_dims(cfg))
     head = (f"Preset `{cfg.preset}` on {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s bf16 dense, {gpu.hbm_tb_s:g} TB/s) at "
@@ -615,10 +616,20 @@ def format_table(rows: list[dict[str, Any]], cfg: Config, gpu: GPU | str = DEFAU
             f"{(dr.body.body_params() + dr.fc_params) / 1e9:.2f}B; training on {world} GPUs; assumed tau {tau:g} (1: "
             f"the drafter never helps); every prompt {cfg.data.regen_max_prompt_tokens} tokens, every answer at its "
             f"cap: upper bounds.")
-    lines = [head, "", "| stage | workload | tokens | PFLOP | bound | GPU-hours |", "|---|---|---|---|---|---|"]
+    if memory is None:
+        lines = [head, "", "| stage | workload | tokens | PFLOP | bound | GPU-hours |", "|---|---|---|---|---|---|"]
+    else:
+        head += (" Peak GB per GPU: the memory model of xpress.train.memory (training: one step's peak, steady "
+                 "state; decoding: weights, KV cache and one forward at the stage's largest batch).")
+        lines = [head, "", "| stage | workload | tokens | PFLOP | bound | GPU-hours | peak GB/GPU |",
+                 "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['stage']} | {r['workload']} | {r['tokens']:.3g} | {r['pflop']:.3g} | {r['bound']} | "
-                     f"{r['gpu_hours']:.3g} |")
+        line = (f"| {r['stage']} | {r['workload']} | {r['tokens']:.3g} | {r['pflop']:.3g} | {r['bound']} | "
+                f"{r['gpu_hours']:.3g} |")
+        if memory is not None:
+            peak = memory.get(r["stage"], memory["decode"] if r["stage"] != "total" else None)
+            line += f" {peak / 1e9:.1f} |" if peak is not None else f" max {max(memory.values()) / 1e9:.1f} |"
+        lines.append(line)
     if measured is not None:
         lines += ["", format_sources(rows, measured)]
     return "\n".join(lines)

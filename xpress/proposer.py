@@ -278,9 +278,11 @@ def _head_method(folder: Path, cfg, method: str) -> str | None:
         return json.loads(meta_file.read_text()).get("method")
 
 
-def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: str = "jacobi") -> ModelDrafter:
+def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: str = "jacobi",
+                 dtype: torch.dtype | None = None) -> ModelDrafter:
     """Load a checkpoint folder written by :func:`save_drafter` (or a released dFlash folder for
-    ``dflash``), checked against ``target`` and against ``cfg`` (block size; K = ``cfg.head.max_iters``).
+    ``dflash``), checked against ``target`` and against ``cfg`` (block size; K = ``cfg.head.max_iters``), in
+    ``dtype`` (default: the target's; training resumes its float32 master weights).
     Any file that cannot be read, and a checkpoint of another method, target or preset, raises
     :class:`CheckpointUnreadableError` naming the file and how to replace it."""
     import json
@@ -297,7 +299,7 @@ def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: st
     with _reading(folder / "config.json", folder, cfg, method):
         DFlashConfig.from_json(json.loads((folder / "config.json").read_text()))
     with _reading(folder / "model.safetensors", folder, cfg, method):
-        net = DFlashDraftModel.from_pretrained(folder, target=target)
+        net = DFlashDraftModel.from_pretrained(folder, target=target, dtype=dtype)
         check_block_size(net, cfg, folder)
     vocab_file = folder / "draft_vocab.safetensors"
     with _reading(vocab_file, folder, cfg, method):

@@ -40,6 +40,7 @@ import torch
 
 from . import paths
 from .config import Config, TargetConfig
+from .distributed import local_device
 from .utils import apply_torch_threads, atomic_dir
 
 log = logging.getLogger(__name__)
@@ -417,7 +418,7 @@ def _load_target(cfg: Config) -> Target:
         tokenizer = AutoTokenizer.from_pretrained(_ensure_gguf_tokenizer(tc.gguf_package))
         model = _random_model(tc, tokenizer, cfg.seed).to(dtype)
         name = tc.model or "random"
-    model = model.to(tc.device).eval().requires_grad_(False)
+    model = model.to(local_device(tc.device)).eval().requires_grad_(False)  # cuda: this rank's own GPU
     lean, choice = choose_runtime(tc, model)
     if lean is not None and lean.dtype != model.dtype:
         # the float32 model keeps the values the target computes with (bf16, widened): the drafters' attached

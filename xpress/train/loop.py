@@ -33,6 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .. import distributed, kernels, paths
@@ -42,8 +44,8 @@ from ..heads import MarkovHead, XPressRefiner
 from ..proposer import METHODS, ModelDrafter, checkpoint_fingerprint, load_drafter, new_drafter, save_drafter
 from ..utils import DeferredInterrupt
 from ..vocab import DraftVocab
-from .losses import (anchor_weight, distribution_loss, position_weights, target_distribution,
-                     teacher_forced_acceptance)
+from .losses import (acceptance_of_choices, anchor_weight, distribution_loss, loss_weights, position_weights,
+                     row_terms, target_distribution)
 from .regenerate import RegenData, config_hash, regen_signature
 
 STATE_FILE = "train_state.json"
@@ -122,18 +124,32 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def online_states(target, ids: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+def online_states(target, ids: torch.Tensor, valid: torch.Tensor, chunk: int = 0) -> dict[str, torch.Tensor]:
     """The target states that regeneration would have cached, computed now by one teacher-forced
     forward over right-padded ``ids`` [b, L] (``valid`` [b, L]): features [b, L, F], hidden [b, L, H]
-    (final-normed) and lse [b, L], float32 (for presets that do not cache them, e.g. Qwen3-8B, where the
-    features would take ~40 kB per token)."""
+    (final-normed) and lse [b, L], float32, on the target's device (for presets that do not cache them, e.g.
+    Qwen3-8B, where the features would take ~40 kB per token).
+
+    ``chunk`` (``train.state_chunk_tokens``): 0 takes lse from the forward's full logits [b, L, V]; else the
+    forward keeps one position's logits and lse is computed ``chunk`` tokens at a time from the captured
+    hidden state (the one the target distribution is read from) and the LM head, so the [b, L, V] logits
+    (7.5 GB in float32 at Qwen3-8B's 4 x 3072 tokens) never exist."""
     from ..targets import target_forward
     from .regenerate import capture_target_states
 
     with torch.no_grad(), capture_target_states(target) as calls:
-        step = target_forward(target, ids.to(target.device), attention_mask=valid.long().to(target.device))
-    return {"features": step.features.float(), "hidden": calls[-1].hidden.float(),
-            "lse": torch.logsumexp(step.logits, dim=-1)}
+        step = target_forward(target, ids.to(target.device), attention_mask=valid.long().to(target.device),
+                              logits_to_keep=1 if chunk else 0)
+    hidden = calls[-1].hidden
+    if chunk:
+        w = target.lm_head().weight  # [V, H]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        with torch.no_grad():
+            lse = torch.cat([torch.logsumexp(F.linear(flat[i:i + chunk].to(w.dtype), w).float(), dim=-1)
+                             for i in range(0, flat.shape[0], chunk)]).view(hidden.shape[:-1])
+    else:
+        lse = torch.logsumexp(step.logits, dim=-1)
+    return {"features": step.features.float(), "hidden": hidden.float(), "lse": lse}
 
 
 def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.Generator,
@@ -160,9 +176,9 @@ def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.G
             feats[j, :T] = torch.from_numpy(np.asarray(st["features"][:T], dtype=np.float32))
             hid[j, :T] = torch.from_numpy(np.asarray(st["hidden"][:T], dtype=np.float32))
             lse[j, :T] = torch.from_numpy(np.nan_to_num(np.asarray(st["lse"][:T], dtype=np.float32)))
-    elif target is not None:
-        st = online_states(target, ids, valid)
-        feats, hid, lse = (st[k].cpu() for k in ("features", "hidden", "lse"))
+    elif target is not None:  # on the target's device: a GPU's states never travel to the host and back
+        st = online_states(target, ids, valid, cfg.train.state_chunk_tokens)
+        feats, hid, lse = (st[k] for k in ("features", "hidden", "lse"))
     else:
         raise TrainingError(f"{data.folder} holds no captured target states and no target was given to compute them")
     H = hid.shape[-1]
@@ -186,6 +202,7 @@ def make_batch(data: RegenData, rows: list[int], cfg: Config, generator: torch.G
     where = where.clamp_max(L - 1)
     labels = ids.gather(1, where.reshape(b, -1)).view(b, nb, P)
     before = (where - 1).reshape(b, -1)
+    before = before.to(hid.device)
     t_hidden = hid.gather(1, before[..., None].expand(-1, -1, H)).view(b, nb, P, H)
     t_lse = lse.gather(1, before).view(b, nb, P)
     return Batch(features=feats, positions=torch.arange(L).expand(b, L).clone(), valid=valid,
@@ -206,13 +223,18 @@ class CoTrainer(nn.Module):
         self.drafter, self.head, self.vocab = drafter, head, vocab
         self.attention = attention  # train.attention_kernel: auto (the C++ kernel where it builds) or torch
 
-    def forward(self, batch: Batch, consistency: bool = True, attention: str | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch, consistency: bool = True, attention: str | None = None,
+                chunks: "LossChunks | None" = None) -> dict[str, torch.Tensor]:
+        """The logits above; with ``chunks`` (``train.loss_chunk_blocks``) the loss's sums instead, computed
+        chunk by chunk (:meth:`LossChunks.sums`), so that no [n, P, Vd] tensor exists beyond one chunk's."""
         d = self.drafter
         context = d.encode_context(batch.features, batch.positions, batch.valid)
         kernel = kernels.for_training(attention or self.attention, batch.features.device)
         hidden = d(batch.anchor_ids, batch.anchor_pos, context, attention_kernel=kernel)  # [b, nb, B, H]
         b, nb, B, H = hidden.shape
         h = hidden[:, :, 1:].reshape(b * nb, B - 1, H)  # [n, P, H]
+        if chunks is not None:
+            return {"hidden": h, **chunks.sums(self, h, batch, consistency)}
         base = d.base_logits(h, self.vocab)  # [n, P, Vd]
         out = {"hidden": h, "base": base}
         if self.head is None:
@@ -229,19 +251,101 @@ class CoTrainer(nn.Module):
         return self.head(h, prev) if isinstance(self.head, XPressRefiner) else self.head(prev)
 
 
+TERMS = ("base", "refined", "consistency")
+
+
+@dataclass
+class LossChunks:
+    """Eq. 14's vocabulary-wide terms computed ``blocks`` blocks at a time (``train.loss_chunk_blocks``): per
+    chunk the drafter's logits (in the product's dtype: bf16 under autocast), the target's distribution, the
+    heads' logits and the per-row terms are made, reduced to weighted sums, and dropped; under activation
+    checkpointing the chunk is recomputed in backward, so backward too holds one chunk's [c, P, Vd] tensors
+    at a time. The sums over chunks divided by :func:`~.losses.loss_weights`' denominators are
+    :func:`~.losses.distribution_loss` of the whole batch (a test checks values and gradients)."""
+
+    blocks: int
+    readout: torch.Tensor  # [Vd, H]: the target's LM head rows of the draft vocabulary
+    weights: torch.Tensor  # [P]: w_k
+    ce_weight: float
+    tv_weight: float
+    kernel: Any = None  # the loss's C++ row terms (CPU) or None
+
+    @classmethod
+    def of(cls, cfg: Config, readout: torch.Tensor) -> "LossChunks | None":
+        """The preset's chunking, or None for the one-piece loss (``train.loss_chunk_blocks: 0``)."""
+        t = cfg.train
+        if not t.loss_chunk_blocks:
+            return None
+        return cls(t.loss_chunk_blocks, readout, position_weights(cfg.drafter.block_size - 1, t.gamma, readout.device),
+                   t.ce_weight, t.tv_weight, kernels.for_training(t.loss_kernel, readout.device))
+
+    def sums(self, module: "CoTrainer", h: torch.Tensor, batch: Batch, consistency: bool) -> dict[str, torch.Tensor]:
+        """h [n, P, H] -> ``sums`` [terms, 3] (per term of :data:`TERMS` present: sum of ``w (ce_weight ce +
+        tv_weight l1)``, of ``w ce`` and of ``w l1``) and the argmax ids ``choice_base``, ``choice_final`` [n, P]."""
+        n, P, _ = h.shape
+        labels = module.vocab.to_draft(batch.labels.reshape(n, P))
+        w, _, _ = loss_weights(labels, batch.label_valid.reshape(n, P), self.weights)
+        args = (batch.anchor_ids.reshape(n, 1), batch.labels.reshape(n, P), labels, w,
+                batch.t_hidden.reshape(n, P, -1), batch.t_lse.reshape(n, P))
+        parts = []
+        for i in range(0, n, self.blocks):
+            part = [h[i:i + self.blocks], *(a[i:i + self.blocks] for a in args)]
+            if torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(self._chunk, module, consistency, *part,
+                                                               use_reentrant=False))
+            else:
+                parts.append(self._chunk(module, consistency, *part))
+        return {"sums": sum(p[0] for p in parts), "choice_base": torch.cat([p[1] for p in parts]),
+                "choice_final": torch.cat([p[2] for p in parts])}
+
+    def _chunk(self, module: "CoTrainer", consistency: bool, h, anchor, gold, labels, w, t_hidden, t_lse):
+        """One chunk of c blocks: h [c, P, H], anchor [c, 1], gold [c, P] target ids, labels [c, P] draft ids,
+        w [c, P], t_hidden [c, P, H_t], t_lse [c, P] -> (sums [terms, 3], argmax base, argmax final [c, P])."""
+        base = module.drafter.base_logits(h, module.vocab, float32=False)  # [c, P, Vd], bf16 under autocast
+        p_t = target_distribution(t_hidden, t_lse, self.readout)  # [c, P, Vd] float32, no gradient
+        logits = {"base": base}
+        if module.head is not None:
+            logits["refined"] = base + module._delta(h, torch.cat([anchor, gold[:, :-1]], dim=1))
+            if consistency:
+                own = module.vocab.to_target(base.detach().argmax(-1))[:, :-1]
+                logits["consistency"] = base + module._delta(h, torch.cat([anchor, own], dim=1))
+        rows = []
+        for name in TERMS:
+            if name in logits:
+                ce, l1 = row_terms(logits[name], labels, p_t, self.kernel)  # [c, P] each
+                rows.append(torch.stack([(w * (self.ce_weight * ce + self.tv_weight * l1)).sum(), (w * ce).sum(),
+                                         (w * l1).sum()]))
+        final = logits.get("refined", base)
+        return torch.stack(rows), base.detach().argmax(-1), final.detach().argmax(-1)
+
+
 def compute_loss(out: dict[str, torch.Tensor], batch: Batch, vocab: DraftVocab, readout: torch.Tensor,
                  cfg: Config, anchor_w: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """L_total (Eq. 15; see :mod:`.losses`) and the logged terms."""
+    """L_total (Eq. 15; see :mod:`.losses`) and the logged terms, from :class:`CoTrainer`'s logits or, chunked,
+    from its sums (:class:`LossChunks`)."""
     t = cfg.train
     P = batch.labels.shape[-1]
     labels = vocab.to_draft(batch.labels.reshape(-1, P))
     valid = batch.label_valid.reshape(-1, P)
+    if "sums" in out:
+        _, total, w_ce = loss_weights(labels, valid, position_weights(P, t.gamma, labels.device))
+        terms = {name: {"loss": s[0] / total, "ce": s[1] / w_ce, "l1": s[2] / total}
+                 for name, s in zip(TERMS, out["sums"])}  # base, then refined and consistency where present
+        return _total(terms, anchor_w, t, out["choice_final"], out["choice_base"], labels, valid)
     p_t = target_distribution(batch.t_hidden.reshape(-1, P, batch.t_hidden.shape[-1]),
                               batch.t_lse.reshape(-1, P), readout)
     w = position_weights(P, t.gamma, labels.device)
     kernel = kernels.for_training(t.loss_kernel, labels.device)
     terms = {name: distribution_loss(out[name], labels, p_t, valid, w, t.ce_weight, t.tv_weight, kernel)
-             for name in ("base", "refined", "consistency") if name in out}
+             for name in TERMS if name in out}
+    final = out.get("refined", out["base"])
+    return _total(terms, anchor_w, t, final.detach().argmax(-1), out["base"].detach().argmax(-1), labels, valid)
+
+
+def _total(terms: dict[str, dict[str, torch.Tensor]], anchor_w: float, t, final: torch.Tensor, base: torch.Tensor,
+           labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Eq. 15 from the terms, and the log: the terms, the loss and the teacher-forced acceptance of the final
+    and (with a head) the base argmax ids ``final``, ``base`` [n, P]."""
     if "refined" in terms:
         total = terms["refined"]["loss"] + anchor_w * terms["base"]["loss"]
         if "consistency" in terms:
@@ -249,11 +353,10 @@ def compute_loss(out: dict[str, torch.Tensor], batch: Batch, vocab: DraftVocab, 
     else:
         total = terms["base"]["loss"]
     logs = {f"{name}_{k}": v.item() for name, d in terms.items() for k, v in d.items()}
-    final = out.get("refined", out["base"])
-    per_pos, tf_tau = teacher_forced_acceptance(final.detach(), labels, valid)
+    per_pos, tf_tau = acceptance_of_choices(final, labels, valid)
     logs.update(loss=total.item(), tf_tau=tf_tau, tf_accept=per_pos.tolist(), anchor_weight=anchor_w)
-    if "refined" in out:
-        logs["tf_tau_base"] = teacher_forced_acceptance(out["base"].detach(), labels, valid)[1]
+    if "refined" in terms:
+        logs["tf_tau_base"] = acceptance_of_choices(base, labels, valid)[1]
     return total, logs
 
 
@@ -456,7 +559,7 @@ def _starting_point(cfg: Config, folder: Path, state: dict | None, method: str, 
     ``drafter.init_from_target``), step 0 and an empty log."""
     if state is not None:
         try:
-            drafter = load_drafter(folder, method, cfg, target)
+            drafter = load_drafter(folder, method, cfg, target, dtype=torch.float32)  # the saved master weights
             trainer_state = torch.load(folder / TRAINER_FILE, weights_only=False)
         except Exception as e:  # a truncated or foreign file: one clear line
             raise TrainingError(f"checkpoint {folder} is corrupt or incomplete ({e.__class__.__name__}: "
@@ -467,7 +570,7 @@ def _starting_point(cfg: Config, folder: Path, state: dict | None, method: str, 
     drafter = new_drafter(method, cfg, target, vocab, seed=cfg.seed)
     if init is not None:
         try:  # a checkpoint folder (the warm start), or a released drafter (folder or hub id)
-            warm = DFlashDraftModel.from_pretrained(init, target=target)
+            warm = DFlashDraftModel.from_pretrained(init, target=target, dtype=torch.float32)
         except Exception as e:
             raise TrainingError(f"cannot start from {init} ({e.__class__.__name__}: {str(e).splitlines()[0][:200]})") from None
         drafter.drafter.load_state_dict(warm.state_dict())
@@ -507,7 +610,7 @@ def train_step(model, optimizer, accelerator, params: list, batch: Batch, vocab:
         g["lr"] = _lr(step, steps, cfg)
     aw = anchor_weight(step, steps, cfg.train.anchor_weight_start, cfg.train.anchor_weight_end)
     with accelerator.autocast():
-        out = model(batch, consistency=consistency)
+        out = model(batch, consistency=consistency, chunks=LossChunks.of(cfg, readout))
         loss, logs = compute_loss(out, batch, vocab, readout, cfg, aw)
     optimizer.zero_grad(set_to_none=True)
     accelerator.backward(loss)
@@ -516,14 +619,41 @@ def train_step(model, optimizer, accelerator, params: list, batch: Batch, vocab:
     return logs, grad_norm
 
 
+def trainable_module(cfg: Config, drafter: ModelDrafter, method: str) -> CoTrainer:
+    """The module that trains: the drafter and its head in a :class:`CoTrainer`, in training mode, with float32
+    master weights whatever the target's dtype (a bf16 target computes under autocast; AdamW's updates of
+    lr 6e-4 would fall below bf16's spacing near 1), the drafter's layers recomputed in backward where
+    ``train.gradient_checkpointing`` says; with ``train.refiner_only`` the drafter is frozen. The target's
+    embedding and LM head it borrows stay in the target's dtype and on its device."""
+    module = CoTrainer(drafter.drafter, drafter.head, drafter.vocab, cfg.train.attention_kernel).float().train()
+    module.drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if cfg.train.refiner_only and method != "dflash":
+        module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
+    return module
+
+
+def build_trainable(cfg: Config, method: str, target=None, vocab: DraftVocab | None = None) -> CoTrainer:
+    """The module a stage of ``method`` trains (:func:`trainable_module`) over a fresh drafter, for a check of
+    what trains (its parameters' dtypes and devices): the preset's target is loaded on this process's device
+    unless given; ``vocab``: the draft vocabulary (default: :func:`xpress.proposer.default_vocab`, the full
+    vocabulary where ``drafter.draft_vocab_size`` is 0)."""
+    from ..proposer import default_vocab
+    from ..targets import load_target
+
+    if method not in METHODS:
+        raise TrainingError(f"method={method!r}: use one of {', '.join(METHODS)}")
+    distributed.local_device(cfg.target.device)
+    target = target or load_target(cfg)
+    return trainable_module(cfg, new_drafter(method, cfg, target, vocab or default_vocab(cfg, target), seed=cfg.seed),
+                            method)
+
+
 def _trainable(cfg: Config, drafter: ModelDrafter, method: str, trainer_state: dict | None, accelerator
                ) -> tuple[CoTrainer, Any, Any, list]:
     """(module, the accelerator's model and optimizer, the trained parameters) for a stage: the drafter and
     its head in a :class:`CoTrainer` (the head alone trains with ``train.refiner_only``), AdamW resumed
     from ``trainer_state`` when there is one."""
-    module = CoTrainer(drafter.drafter, drafter.head, drafter.vocab, cfg.train.attention_kernel).train()
-    if cfg.train.refiner_only and method != "dflash":
-        module.drafter.requires_grad_(False)  # only the head trains; the anchor term then has no effect
+    module = trainable_module(cfg, drafter, method)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     if trainer_state is not None:
@@ -587,6 +717,7 @@ class _StageRun:
         the configuration first."""
         from ..targets import load_target
 
+        distributed.local_device(cfg.target.device)  # this rank's GPU, before anything is loaded
         if accelerator is None:
             from accelerate import Accelerator
 
@@ -752,6 +883,7 @@ def train(cfg: Config, method: str, *, progress: bool = True, overwrite: bool = 
     method's co-training stage. Returns the summaries of both stages."""
     from ..targets import load_target
 
+    distributed.local_device(cfg.target.device)  # cuda: this rank's own GPU (LOCAL_RANK), before any load
     data = RegenData.load(cfg)
     target = load_target(cfg)
     out: dict[str, Any] = {}

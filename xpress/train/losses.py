@@ -99,13 +99,19 @@ def distribution_loss(logits: torch.Tensor, labels: torch.Tensor, p_target: torc
     ``kernel``: see :func:`row_terms`. Returns ``loss`` (the weighted mean of ``ce_weight * ce + tv_weight *
     l1``), and the weighted means ``ce`` (over in-vocabulary positions) and ``l1`` for logging.
     """
-    in_vocab = labels >= 0
     ce, l1 = row_terms(logits, labels, p_target, kernel)  # [n, P] each
-    w = weights[None, :] * valid  # [n, P]
-    total = w.sum().clamp_min(1e-12)
-    w_ce = (w * in_vocab).sum().clamp_min(1e-12)
+    w, total, w_ce = loss_weights(labels, valid, weights)
     return {"loss": (w * (ce_weight * ce + tv_weight * l1)).sum() / total,
             "ce": (w * ce).sum() / w_ce, "l1": (w * l1).sum() / total}
+
+
+def loss_weights(labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`distribution_loss`'s weights: ``w`` [n, P] (``weights`` where valid, else 0) and the two
+    denominators, ``sum w`` and ``sum w`` over in-vocabulary labels (each at least 1e-12). A loss computed in
+    chunks of blocks sums ``w * term`` per chunk and divides once by these."""
+    w = weights[None, :] * valid  # [n, P]
+    return w, w.sum().clamp_min(1e-12), (w * (labels >= 0)).sum().clamp_min(1e-12)
 
 
 def teacher_forced_acceptance(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
@@ -115,7 +121,13 @@ def teacher_forced_acceptance(logits: torch.Tensor, labels: torch.Tensor, valid:
     ``k``: [P]; and the implied tau ``1 + sum_k accept_k`` over blocks valid at every position (NaN if
     none). For a causal head fed the gold prefix this is exactly the greedy acceptance of its sequential
     decode."""
-    match = (logits.argmax(-1) == labels) & valid  # [n, P]
+    return acceptance_of_choices(logits.argmax(-1), labels, valid)
+
+
+def acceptance_of_choices(choice: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+                          ) -> tuple[torch.Tensor, float]:
+    """:func:`teacher_forced_acceptance` from the argmax ids ``choice`` [n, P] (the chunked loss keeps only them)."""
+    match = (choice == labels) & valid  # [n, P]
     run = match.long().cumprod(-1).bool()
     per_pos = (run & valid).sum(0).float() / valid.sum(0).clamp_min(1).float()
     full = valid.all(-1)
