@@ -339,7 +339,12 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from .config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides placed between options (argparse takes positionals in one run only)
+        if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         _apply_threads(args)
         return args.func(args)

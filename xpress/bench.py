@@ -750,9 +750,10 @@ def oracle_ceiling(preset: str = "cpu", n_prompts: int = 8, max_new_tokens: int 
 # ================================================================================================ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's arguments (shared by ``python -m xpress bench`` and this module)."""
-    parser.add_argument("study", choices=["oracle-ceiling", "target-cost"],
+    parser.add_argument("study", choices=["oracle-ceiling", "target-cost", "compiled-eager"],
                         help="oracle-ceiling: AR vs a perfect drafter, and AR vs transformers' generate(); "
-                             "target-cost: the target's forward per component (xpress.studies.target_cost)")
+                             "target-cost: the target's forward per component (xpress.studies.target_cost); "
+                             "compiled-eager: the compiled Table 1 harness vs the eager one (xpress.compiled_eager)")
     parser.add_argument("--preset", default="cpu")
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -762,11 +763,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0: the preset's drafter.block_size)")
     parser.add_argument("--benchmarks", default="gsm8k,mt-bench", help="comma-separated benchmark names")
     parser.add_argument("--out-dir", default=None, help="default: results/<preset>/")
+    parser.add_argument("--methods", default="ar,dflash,markov,xpress",
+                        help="compiled-eager: comma-separated methods (ar, dflash, markov, xpress, ...)")
+    parser.add_argument("--frame-rows", default=None,
+                        help="compiled-eager: comma-separated target.frame_rows settings to run, e.g. 0,64 "
+                             "(default: the preset's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DecodeInputError(f"{flag} {text!r}: give comma-separated integers, e.g. 0,64") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.study == "compiled-eager":
+        from .compiled_eager import compiled_eager
+
+        result = compiled_eager(args.preset, [m.strip() for m in args.methods.split(",") if m.strip()],
+                                args.n_prompts, args.max_new_tokens, args.out_dir, args.overrides,
+                                None if args.frame_rows is None else _int_list(args.frame_rows, "--frame-rows"),
+                                [b.strip() for b in args.benchmarks.split(",") if b.strip()],
+                                progress=not args.no_progress)
+        print(json.dumps({"equal": result["equal"], "frames": result["frames"],
+                          "methods": {F: {m: {"equal": v["equal"], **{h: round(v[h]["ms_per_token"], 3)
+                                                                      for h in ("eager", "compiled")}}
+                                          for m, v in r["methods"].items()}
+                                      for F, r in result["by_frame_rows"].items()}}, indent=2))
+        if result["load_warning"]:
+            print(f"warning: {result['load_warning']}", file=sys.stderr)
+        return 0
     if args.study == "target-cost":
         from .studies.target_cost import run_target_cost
 
