@@ -157,21 +157,23 @@ class Stopwatch:
 
 
 class EventSpan:
-    """Seconds measured by CUDA events and read back later: a sum of ``(sign, start, end)`` event pairs plus
-    a constant, optionally floored at 0. ``float()`` waits for the last event (one host synchronisation) and
-    reads ``elapsed_time``; ``+`` and ``-`` with numbers or other spans stay lazy, so a decoding round can
-    record its stages without waiting for the device (:class:`EventStopwatch`)."""
+    """Seconds measured by CUDA events and read back later: a sum of ``(sign, start, end)`` event pairs, a
+    constant and spans floored at 0 (:meth:`nonnegative`). ``float()`` waits for the events (one host
+    synchronisation; the later waits return at once) and reads ``elapsed_time``; ``+`` and ``-`` with numbers
+    or other spans stay lazy, so a decoding round can record its stages without waiting for the device
+    (:class:`EventStopwatch`)."""
 
-    def __init__(self, terms: Sequence[tuple[int, Any, Any]] = (), const: float = 0.0, floor: bool = False):
-        self.terms, self.const, self.floor = list(terms), const, floor
+    def __init__(self, terms: Sequence[tuple[int, Any, Any]] = (), const: float = 0.0,
+                 floored: Sequence["EventSpan"] = ()):
+        self.terms, self.const, self.floored = list(terms), const, list(floored)
 
     def _combine(self, other: Any, sign: int) -> "EventSpan":
-        if isinstance(other, EventSpan):
-            if other.floor:
-                raise ValueError("a floored EventSpan cannot be combined further; take float() first")
-            return EventSpan(self.terms + [(s * sign, a, b) for s, a, b in other.terms],
-                             self.const + sign * other.const)
-        return EventSpan(self.terms, self.const + sign * float(other))
+        if not isinstance(other, EventSpan):
+            return EventSpan(self.terms, self.const + sign * float(other), self.floored)
+        if sign < 0 and other.floored:
+            raise ValueError("cannot subtract a floored EventSpan; take float() first")
+        return EventSpan(self.terms + [(s * sign, a, b) for s, a, b in other.terms], self.const + sign * other.const,
+                         self.floored + other.floored)
 
     def __add__(self, other: Any) -> "EventSpan":
         return self._combine(other, 1)
@@ -182,13 +184,14 @@ class EventSpan:
         return self._combine(other, -1)
 
     def nonnegative(self) -> "EventSpan":
-        return EventSpan(self.terms, self.const, floor=True)
+        """This span, read back as ``max(0, value)``."""
+        return EventSpan(floored=[self])
 
     def __float__(self) -> float:
-        if self.terms:
-            self.terms[-1][2].synchronize()
+        for _, _, end in self.terms:
+            end.synchronize()
         value = self.const + sum(s * a.elapsed_time(b) for s, a, b in self.terms) / 1e3  # elapsed_time: ms
-        return max(0.0, value) if self.floor else value
+        return value + sum(max(0.0, float(f)) for f in self.floored)
 
 
 class EventStopwatch:
