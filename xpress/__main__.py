@@ -350,10 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "command", None) == "bench" and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides = [*args.overrides, *extra]  # overrides after the options (argparse stops at the first ones)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # key=value overrides placed between options (argparse takes positionals in one run only)
+        if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         _apply_threads(args)
         return args.func(args)

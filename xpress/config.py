@@ -177,6 +177,15 @@ class DecodeConfig:
     # verify of k + 1 rows costs less than one of B rows where the target's forward is compute-bound (a CPU);
     # tau then counts at most k + 1 tokens a round (studies.draft_length measures the trade)
     draft_tokens: int = 0
+    # the compiled harness (xpress.compiled; docs/gpu.md "The compiled Table 1 harness"): the transformers
+    # target's forward on a static KV cache of static_cache_len columns, torch.compile'd for its fixed shapes
+    # (1-row steps, verify blocks, frames; CUDA graphs on CUDA), the drafter and the refiner's fixed-K rollout
+    # compiled too; AR and every method get the same target forward. false: the eager forward (a DynamicCache).
+    # auto: true where the target runs the transformers runtime on a GPU (qwen3-8b), false elsewhere (the CPU
+    # presets' lean runtime; Config.compiled_decoding says which)
+    compile: str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend: inductor (the real one), aot_eager or eager (debugging)
+    static_cache_len: int = 4096  # columns of the compiled path's KV cache: prompt + generated tokens + a verify block
 
 
 @dataclass
@@ -221,6 +230,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _transformers_runtime(self) -> bool:
+        """Whether the target computes with the transformers forward (as :func:`xpress.targets.planned_runtime`)."""
+        return self.target.runtime == "transformers" or (self.target.runtime == "auto"
+                                                         and self.target.device.split(":")[0] != "cpu")
+
+    def compiled_decoding(self) -> bool:
+        """Whether decoding runs the compiled harness (``decode.compile``: ``true``; ``auto`` on a GPU's
+        transformers runtime; never under the lean runtime)."""
+        return self.decode.compile == "true" or (self.decode.compile == "auto" and self._transformers_runtime()
+                                                 and self.target.device.startswith("cuda"))
+
     def validate(self) -> "Config":
         _check(self.torch_threads >= 0, "torch_threads must be >= 0 (0 = the physical cores)")
         _check(self.target.source in {"gguf", "hub", "random"},
@@ -263,6 +283,17 @@ class Config:
         _check(self.eval.resolution_prompts >= 1 and self.eval.resolution_batch_size >= 1,
                "eval.resolution_prompts and eval.resolution_batch_size must be at least 1")
         _check(self.decode.batch_size >= 1, "decode.batch_size must be at least 1")
+        self.decode.compile = str(self.decode.compile).lower()  # YAML's true/false arrive as True/False
+        _check(self.decode.compile in ("auto", "true", "false"),
+               f"decode.compile={self.decode.compile!r}: use auto, true or false")
+        _check(self.decode.compile != "true" or self._transformers_runtime(),
+               "decode.compile=true compiles the transformers runtime; set target.runtime=transformers (a CPU takes "
+               "the lean runtime under auto) or decode.compile=false")
+        _check(self.decode.compile_backend in ("inductor", "aot_eager", "eager"),
+               f"decode.compile_backend={self.decode.compile_backend!r}: use inductor, aot_eager or eager")
+        _check(self.decode.static_cache_len > self.drafter.block_size + max(self.target.frame_rows, 1),
+               "decode.static_cache_len must exceed drafter.block_size + target.frame_rows (prompt + generation "
+               "+ one verify block)")
         _check(0 <= self.decode.draft_tokens < self.drafter.block_size,
                f"decode.draft_tokens={self.decode.draft_tokens} must lie in [0, {self.drafter.block_size - 1}] "
                f"(drafter.block_size - 1 drafted tokens; 0 = all)")

@@ -27,8 +27,10 @@ Timing: every step records seconds per stage in ``Generation.step_times`` -- spe
 time, such as the reference drafters, the wall clock around ``propose`` minus any reported ``refine``),
 ``refine`` (``Draft.timings["refine"]``, 0 when not reported), ``verify`` (target forward + acceptance
 rule) and ``bookkeeping`` (commit, stop checks, cache crop); autoregressive: ``forward`` (target forward +
-token choice) and ``bookkeeping``. On CUDA the clock waits for the device at stage ends
-(:class:`xpress.utils.Stopwatch`, :func:`xpress.utils.now`).
+token choice) and ``bookkeeping``. On a CPU the clock is ``perf_counter`` (:class:`xpress.utils.Stopwatch`);
+on CUDA each stage records CUDA events (:class:`xpress.utils.EventStopwatch`) that are read back once, when
+the call returns, so a round waits for the device only where the loop needs a value on the host: the one
+transfer of the round's acceptance, commit and per-row stats (speculative) or the chosen token (AR).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch
 from .protocol import Draft, Drafter
 from .readout import argmax_last
 from .targets import Target, encode_chat, lm_logits, target_forward
-from .utils import Stopwatch, now
+from .utils import EventSpan, EventStopwatch, now, stage_clock
 
 SPEC_STAGES = ("draft", "refine", "verify", "bookkeeping")
 COMPACT_MIN_HOLES = 32  # RaggedKV compacts once every row has at least this many holes
@@ -355,10 +357,19 @@ class _Rows:
                 g.stats.setdefault(k, []).append(v[i])
 
     def finish(self, rows: list[int], stopped: list[bool]) -> None:
+        if not rows:
+            return
         elapsed = now(self.device) - self.t0
         for i in rows:
             self.gens[i].total_s = elapsed
             self.gens[i].finish_reason = "stop" if stopped[i] else "length"
+
+    def read_times(self) -> None:
+        """Read back the CUDA-event stage times (:class:`xpress.utils.EventSpan`) as seconds: one wait for the
+        device, at the end of the call."""
+        for g in self.gens:
+            for times in g.step_times.values():
+                times[:] = [float(t) for t in times]
 
     def set_prefill(self) -> None:
         """Record the time since the start of the call as every row's prefill."""
@@ -367,21 +378,29 @@ class _Rows:
             g.prefill_s = elapsed
 
 
-def _charge_draft(sw: Stopwatch, timings: dict[str, float], wall: float) -> None:
+def _charge_draft(sw: Any, timings: dict[str, Any], wall: Any) -> None:
     """Charge one ``propose`` call to the ``draft`` and ``refine`` stages: the drafter's own
     ``Draft.timings`` where it reports them, else the ``wall`` clock around the call (minus any reported
-    ``refine``), for drafters that measure nothing (the reference drafters)."""
-    refine = float(timings.get("refine", 0.0))
+    ``refine``), for drafters that measure nothing (the reference drafters). On CUDA the values are
+    :class:`xpress.utils.EventSpan` sums, read back later."""
+    def value(t: Any) -> Any:
+        return t if isinstance(t, EventSpan) else float(t)
+
+    refine = value(timings.get("refine", 0.0))
     sw.add("refine", refine)
-    sw.add("draft", float(timings["draft"]) if "draft" in timings else max(0.0, wall - refine))
+    rest = wall - refine
+    sw.add("draft", value(timings["draft"]) if "draft" in timings else
+           (rest.nonnegative() if isinstance(rest, EventSpan) else max(0.0, rest)))
 
 
-def _per_row(stats: dict[str, Any], b: int) -> dict[str, list]:
+def _per_row(stats: dict[str, Any], b: int, read: dict[str, list] | None = None) -> dict[str, list]:
     """``Draft.stats`` as per-row lists of length b: a [b, ...] tensor or a length-b list is split by row,
-    anything else is repeated for every row."""
+    anything else is repeated for every row; ``read``: the per-row lists of stats already read to the host."""
     out = {}
     for k, v in stats.items():
-        if isinstance(v, torch.Tensor):
+        if read and k in read:
+            v = read[k]
+        elif isinstance(v, torch.Tensor):
             v = v.tolist()
         out[k] = v if isinstance(v, list) and len(v) == b else [v] * b
     return out
@@ -403,7 +422,7 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
     dev = target.device
     b = len(prompts)
     rows = _Rows(prompts, AR_STAGES, dev)
-    sw = Stopwatch(dev)
+    sw = stage_clock(dev)
     kv = RaggedKV(b, dev)
     stops = set(target.eos_token_ids) | set(stop_ids or ())
     ids, valid, pos = left_pad(prompts, dev)
@@ -436,6 +455,8 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
         with sw("bookkeeping"):
             kv.commit(cache)
             pos = pos + 1
+    if isinstance(sw, EventStopwatch):
+        rows.read_times()
     return rows.gens
 
 
@@ -468,7 +489,7 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
     dev = target.device
     b = len(prompts)
     rows = _Rows(prompts, SPEC_STAGES, dev)
-    sw = Stopwatch(dev)
+    sw = stage_clock(dev)
     kv = RaggedKV(b, dev)
     stops = _stop_tensor(target, stop_ids, dev)
     drafter.reset([list(p) for p in prompts])
@@ -485,9 +506,9 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
     remaining = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)
     live = list(range(b))  # host copy of the active rows
     while live:
-        t0 = now()  # the previous stage ended synchronised
+        t0 = sw.mark()  # the previous stage ended synchronised (CPU) or recorded its end event (CUDA)
         draft: Draft = drafter.propose(anchor, anchor_pos, temperature, generator)
-        _charge_draft(sw, draft.timings, now(dev) - t0)
+        _charge_draft(sw, draft.timings, sw.since(t0))
         with sw("verify"):
             block = torch.cat([anchor[:, None], draft.tokens], dim=1)  # [b, B]: the anchor + the k drafted tokens
             B = block.shape[1]  # k + 1 rows: the drafter's block size, or fewer (decode.draft_tokens)
@@ -512,21 +533,27 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
             keep = torch.where(active, n_acc + 1, 0)  # anchor + accepted drafts stay in the cache
             anchor = torch.where(active, nxt, anchor)
             anchor_pos = anchor_pos + keep
-            # one device -> host transfer for everything the Python side needs
-            host = torch.cat([proposed, torch.stack([count, n_acc + 1, keep, stopped, done], 1)], 1).tolist()
+            # one device -> host transfer for everything the Python side needs, the drafter's per-row counts
+            # (Draft.stats int64 [b] tensors, e.g. Jacobi iters) included
+            counted = [k for k, v in draft.stats.items()
+                       if isinstance(v, torch.Tensor) and v.dtype == torch.int64 and tuple(v.shape) == (b,)]
+            host = torch.cat([proposed, torch.stack([count, n_acc + 1, keep, stopped, done]
+                                                    + [draft.stats[k] for k in counted], 1)], 1).tolist()
             toks = [h[:B] for h in host]
-            count_l, raw_l, keep_l, stop_l, done_l = (list(c) for c in zip(*(h[B:] for h in host)))
+            count_l, raw_l, keep_l, stop_l, done_l, *stat_l = (list(c) for c in zip(*(h[B:] for h in host)))
             kv.commit(out.cache, arange_B < keep[:, None], keep_l)
         with sw("draft"):
             k_max = max(keep_l)
             if k_max:
                 drafter.extend(block[:, :k_max], out.features[:, :k_max], positions[:, :k_max],
                                arange_B[:k_max] < keep[:, None])
-        rows.record(live, toks, count_l, raw_l, sw.pop(), _per_row(draft.stats, b))
+        rows.record(live, toks, count_l, raw_l, sw.pop(), _per_row(draft.stats, b, dict(zip(counted, stat_l))))
         if on_round:
             on_round(sum(count_l[i] for i in live), len(live))
         rows.finish([i for i in live if done_l[i]], stop_l)
         live = [i for i in live if not done_l[i]]
+    if isinstance(sw, EventStopwatch):
+        rows.read_times()
     return rows.gens
 
 

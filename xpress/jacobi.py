@@ -216,6 +216,32 @@ def jacobi_refine_one(correction, base_logits: torch.Tensor, anchor: torch.Tenso
     return RefineResult(y, q, torch.full((1,), passes, dtype=torch.int64, device=y.device))
 
 
+def jacobi_rollout(logits_of: Callable[[torch.Tensor], torch.Tensor], base_logits: torch.Tensor,
+                   anchor: torch.Tensor, passes: int, temperature: float = 0.0, noise: torch.Tensor | None = None, *,
+                   vocab: DraftVocab | None = None) -> RefineResult:
+    """:func:`jacobi_refine` as a fixed number of dense passes with no data-dependent exit and no host read,
+    for a compiled graph (a CUDA graph on a GPU: :meth:`xpress.proposer.ModelDrafter.compile`).
+
+    ``logits_of(prev)`` -> the corrected logits ``s + delta`` [b, P, Vd] for prev [b, P] target ids; base_logits
+    [b, P, Vd]; anchor [b]; ``passes`` >= 1 (``min(K, P)``); noise [b, P, Vd] at T > 0. Exactly the adaptive
+    result: a pass that leaves a block unchanged is its fixed point, and every later pass recomputes the same
+    logits from the same prefix, so the tokens and ``q`` (the softmax of the last pass's logits, those every
+    token was drawn from) are those of stopping there. ``iters`` [b] (on the device) counts the passes the
+    adaptive algorithm makes: those that changed the block, plus the one that confirmed it, at most ``passes``."""
+    if passes < 1:
+        raise ValueError(f"passes={passes}: the rollout needs at least one pass")
+    y = select(base_logits, temperature, noise)  # [b, P]: Y^(0)
+    moved, logits = [], None
+    for _ in range(passes):
+        logits = logits_of(prev_tokens(anchor, y, vocab))  # [b, P, Vd]
+        new = select(logits, temperature, noise)
+        moved.append((new != y).any(dim=1))  # [b]
+        y = new
+    iters = (torch.stack(moved, dim=1).long().cumprod(dim=1).sum(dim=1) + 1).clamp_max(passes)
+    q = None if noise is None or temperature <= 0 else distribution(logits, temperature)
+    return RefineResult(y, q, iters)
+
+
 def _incremental_pass(logits_fn: LogitsFn, y: torch.Tensor, anchor: torch.Tensor, active: torch.Tensor,
                       start: torch.Tensor, temperature: float, noise: torch.Tensor | None,
                       drawn_from: torch.Tensor | None, vocab: DraftVocab | None) -> torch.Tensor:

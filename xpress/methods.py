@@ -40,7 +40,9 @@ def make_drafter(method: str, cfg: Config, target: Target, seed: int = 0,
 
     A missing checkpoint raises :class:`~xpress.drafter.CheckpointNotFoundError` (a FileNotFoundError whose
     message says how to train one), unless ``untrained_ok``: then the drafter gets fresh, seeded weights
-    (:func:`xpress.proposer.new_drafter`). :func:`drafter_weights` tells which it was.
+    (:func:`xpress.proposer.new_drafter`). :func:`drafter_weights` tells which it was. On a target that runs
+    the compiled harness (``Target.compiled``) the model drafter's refinement is compiled too
+    (:meth:`xpress.proposer.ModelDrafter.compile`).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {', '.join(METHODS)}")
@@ -57,11 +59,13 @@ def make_drafter(method: str, cfg: Config, target: Target, seed: int = 0,
     from .proposer import CheckpointNotFoundError, build_drafter, new_drafter
 
     try:
-        return build_drafter(method, cfg, target, checkpoint=checkpoint)
+        drafter = build_drafter(method, cfg, target, checkpoint=checkpoint)
     except CheckpointNotFoundError:
         if not untrained_ok:
             raise
-        return new_drafter(method, cfg, target, seed=seed)
+        drafter = new_drafter(method, cfg, target, seed=seed)
+    compiled = getattr(target, "compiled", None)
+    return drafter if compiled is None else drafter.compile(compiled.backend)  # the compiled harness: refiner too
 
 
 def drafter_weights(drafter: Drafter) -> str:

@@ -23,11 +23,11 @@ import torch
 
 from . import paths
 from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
-from .heads import MarkovHead, XPressRefiner
+from .heads import FoldedRefiner, MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, jacobi_refine_one,
-                     select, sequential_refine)
+                     jacobi_rollout, select, sequential_refine)
 from .protocol import Draft
-from .utils import Stopwatch, atomic_dir, atomic_save_safetensors, atomic_write_json
+from .utils import atomic_dir, atomic_save_safetensors, atomic_write_json, stage_clock
 from .vocab import DraftVocab
 
 __all__ = ["METHODS", "CheckpointNotFoundError", "CheckpointUnreadableError", "DrafterMismatchError", "ModelDrafter",
@@ -83,6 +83,19 @@ class ModelDrafter:
         self.draft_tokens = draft_tokens or self.block_size - 1
         self.fingerprint: str | None = None  # checkpoint_fingerprint() of the folder it was loaded from
         self.context: ContextCache | None = None  # set by reset()
+        self.compiled_refine = None  # compile(): the fixed-pass rollout, torch.compile'd
+
+    def compile(self, backend: str = "inductor") -> "ModelDrafter":
+        """Refine with the fixed-pass rollout (:meth:`fixed_refine`), ``torch.compile``'d for its fixed shapes
+        (a CUDA graph on CUDA: :func:`xpress.compiled.compile_fn`); the compiled harness (``decode.compile``)
+        calls it. The tokens are those of the adaptive refinement (:func:`xpress.jacobi.jacobi_rollout`). The
+        drafter's own forward stays eager (its context grows every round). ``refine="sequential"`` keeps the
+        eager path."""
+        from .compiled import compile_fn
+
+        if self.refine == "jacobi":
+            self.compiled_refine = compile_fn(self.fixed_refine, self.device, backend)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -107,10 +120,11 @@ class ModelDrafter:
                 generator: torch.Generator | None = None) -> Draft:
         """Draft k = ``draft_tokens`` tokens after ``anchor`` [b] at ``anchor_pos`` [b]: tokens [b, k] target
         ids, ``q`` [b, k, V] float32 (None at T=0), timings (s) ``draft`` (drafter forward, base readout, mapping to
-        target ids) and ``refine`` (this method's token choice: head, Jacobi passes), stats ``iters`` [b]."""
+        target ids) and ``refine`` (this method's token choice: head, Jacobi passes), stats ``iters`` [b]. On
+        CUDA the timings are :class:`xpress.utils.EventSpan` values (``float()`` reads them back)."""
         if self.context is None:
             raise RuntimeError("call reset() before propose()")
-        sw = Stopwatch(self.device)
+        sw = stage_clock(self.device)  # on CUDA: event spans, read back by the caller
         with sw("draft"):
             h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
             base = self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)  # [b, k, Vd]: the k returned
@@ -132,6 +146,9 @@ class ModelDrafter:
         # T > 0: the whole block's Gumbel noise, of which the first k positions read theirs, so that the k
         # tokens are the full draft's first k under the same generator
         noise = None if temperature <= 0 else gumbel_noise((b, p, vd), generator, base.device)[:, :k]
+        if self.compiled_refine is not None:
+            weights = self.head.folded_weights() if self.method == "xpress" else ()  # cached, outside the graph
+            return self.compiled_refine(h, base, anchor, temperature, noise, *weights)
         if self.method == "dflash":
             q = None if noise is None else distribution(base, temperature)
             iters = torch.zeros(b, dtype=torch.int64, device=base.device)
@@ -151,6 +168,30 @@ class ModelDrafter:
                                      vocab=self.vocab)
         return jacobi_refine(logits_fn, base, anchor, min(self.max_iters, k), temperature, noise=noise,
                              vocab=self.vocab)
+
+    def fixed_refine(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
+                     noise: torch.Tensor | None, *folded: torch.Tensor) -> RefineResult:
+        """:meth:`refine_block` without a data-dependent exit or host read, for a compiled graph: dflash selects
+        from the base logits; markov decodes its k positions left to right (k fixed steps); xpress runs
+        ``min(K, k)`` dense Jacobi passes (:func:`xpress.jacobi.jacobi_rollout`). Products are plain
+        ``F.linear`` readouts (what the compiler fuses), the same functions as the eager path's to float32
+        rounding. ``folded``: :meth:`XPressRefiner.folded_weights` (xpress), computed outside the graph."""
+        b, k, _ = base.shape
+        if self.method == "dflash":
+            q = None if noise is None else distribution(base, temperature)
+            return RefineResult(select(base, temperature, noise), q, torch.zeros(b, dtype=torch.int64, device=base.device))
+        head, vocab = self.head, self.vocab
+        if self.method == "markov":
+            def step(prev: torch.Tensor, rows: torch.Tensor, i: int) -> torch.Tensor:  # [b, Vd]
+                return head.w_2(head.w_1(vocab.input_index(prev[:, i]))).float() + base[:, i]
+            return sequential_refine(step, base, anchor, temperature, noise=noise, vocab=vocab)
+        table, a_h, a_g, mixer = folded
+        u = h @ a_h.T + h.mean(dim=1, keepdim=True) @ a_g.T  # [b, P, r]: XPressRefiner.fold's token-free part
+        fold = FoldedRefiner(head, torch.einsum("dkj,bjd->bkd", mixer, u), mixer, table)
+        if k < h.shape[1]:
+            fold = fold.first(k)
+        return jacobi_rollout(lambda prev: head.w_r(fold.latent(prev)).float() + base, base, anchor,
+                              min(self.max_iters, k), temperature, noise, vocab=vocab)
 
 
 # ------------------------------------------------------------------------------------- construction

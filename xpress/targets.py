@@ -22,6 +22,10 @@ attach to and ``generate()`` runs) stays float32 on a CPU, holding the target's 
 computes with them (bf16 values, widened, when the lean runtime computes in bf16);
 ``Target.compute_dtype`` is what the target computes in.
 
+With ``decode.compile`` (:meth:`xpress.config.Config.compiled_decoding`: by default on a GPU's transformers
+runtime) the transformers forward runs through ``Target.compiled`` (:mod:`xpress.compiled`: a static KV cache,
+``torch.compile`` for the fixed shapes of batch-1 decoding), for AR and every method alike.
+
 The drafter reads the hidden states of a few target layers (``layer_ids``), spread evenly from layer 1 to
 ``num_layers - 3`` as in dFlash; the feature of a token is the concatenation over those layers of
 ``hidden_states[id + 1]`` (index 0 of transformers' ``hidden_states`` is the embedding output).
@@ -86,6 +90,7 @@ class Target:
     name: str
     meta: dict[str, Any] = field(default_factory=dict)
     runtime: Any = None  # an xpress.runtime.LeanModel, or None: the transformers forward
+    compiled: Any = None  # an xpress.compiled.CompiledForward (decode.compile) that runs the transformers forward
 
     @property
     def device(self) -> torch.device:
@@ -431,6 +436,8 @@ def _load_target(cfg: Config) -> Target:
     kn.use_bf16_products(lean is not None and lean.kernels is not None and lean.dtype == torch.bfloat16)
     # what a drafter's float32 products run in: the fused kernels' float32 or AMX bf16, else F.linear
     choice["drafter_products"] = kn.status().get("products", "F.linear")
+    compiled = compiled_forward(cfg, model) if lean is None and cfg.compiled_decoding() else None
+    choice.update(compiled.describe() if compiled is not None else {"compiled": False})
     meta.update(choice)
     record_choice(choice)
     n_layers = int(model.config.num_hidden_layers)
@@ -440,7 +447,18 @@ def _load_target(cfg: Config) -> Target:
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         num_layers=n_layers,
         layer_ids=target_layer_ids(n_layers, cfg.drafter.num_target_features),
-        eos_token_ids=_eos_ids(model, tokenizer), name=name, meta=meta, runtime=lean)
+        eos_token_ids=_eos_ids(model, tokenizer), name=name, meta=meta, runtime=lean, compiled=compiled)
+
+
+def compiled_forward(cfg: Config, model: Any) -> Any:
+    """The compiled harness's forward for the transformers ``model`` (:class:`xpress.compiled.CompiledForward`):
+    a static cache of ``decode.static_cache_len`` columns, compiled for 1-row steps, the verify block
+    (``decode.draft_tokens`` + 1 rows, or ``drafter.block_size``) and ``target.frame_rows``."""
+    from .compiled import CompiledForward
+
+    verify = (cfg.decode.draft_tokens or cfg.drafter.block_size - 1) + 1
+    rows = {1, verify} | ({cfg.target.frame_rows} if cfg.target.frame_rows else set())
+    return CompiledForward(model, cfg.decode.static_cache_len, rows, cfg.decode.compile_backend)
 
 
 # ----------------------------------------------------------------------------------------------- chat
@@ -494,12 +512,14 @@ def _model_call(target: Target, input_ids: torch.Tensor, cache: Any, position_id
         return logits, (features.to(target.dtype) if features is not None else None), cache
     from transformers import DynamicCache
 
+    model = target.compiled or target.model  # the compiled harness is called as the model is
     if cache is None:
-        cache = DynamicCache(config=target.model.config)
+        cache = (target.compiled.new_cache(input_ids.shape[0]) if target.compiled is not None
+                 else DynamicCache(config=target.model.config))
     if target.cfg.frame_rows and attention_mask is None:
-        return frame_forward(target.model, target.cfg.frame_rows, target.layer_ids, input_ids, cache, position_ids,
+        return frame_forward(model, target.cfg.frame_rows, target.layer_ids, input_ids, cache, position_ids,
                              logits_to_keep, hidden_states)
-    out = target.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+    out = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
                        attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden_states,
                        logits_to_keep=logits_to_keep)
     features = torch.cat([out.hidden_states[i + 1] for i in target.layer_ids], dim=-1) if hidden_states else None

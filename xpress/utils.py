@@ -138,6 +138,15 @@ class Stopwatch:
         finally:
             self.add(stage, time.perf_counter() - t0)
 
+    @staticmethod
+    def mark() -> float:
+        """The clock now, without waiting (the previous stage ended synchronised): start of :meth:`since`."""
+        return time.perf_counter()
+
+    def since(self, start: float) -> float:
+        """Seconds from ``start`` (:meth:`mark`) until the device finished what was queued since."""
+        return now(self.device) - start
+
     def add(self, stage: str, seconds: float) -> None:
         """Charge ``seconds`` measured elsewhere (e.g. a drafter's own timings) to ``stage``."""
         self.totals[stage] = self.totals.get(stage, 0.0) + seconds
@@ -145,6 +154,87 @@ class Stopwatch:
     def pop(self) -> dict[str, float]:
         out, self.totals = self.totals, {}
         return out
+
+
+class EventSpan:
+    """Seconds measured by CUDA events and read back later: a sum of ``(sign, start, end)`` event pairs, a
+    constant and spans floored at 0 (:meth:`nonnegative`). ``float()`` waits for the events (one host
+    synchronisation; the later waits return at once) and reads ``elapsed_time``; ``+`` and ``-`` with numbers
+    or other spans stay lazy, so a decoding round can record its stages without waiting for the device
+    (:class:`EventStopwatch`)."""
+
+    def __init__(self, terms: Sequence[tuple[int, Any, Any]] = (), const: float = 0.0,
+                 floored: Sequence["EventSpan"] = ()):
+        self.terms, self.const, self.floored = list(terms), const, list(floored)
+
+    def _combine(self, other: Any, sign: int) -> "EventSpan":
+        if not isinstance(other, EventSpan):
+            return EventSpan(self.terms, self.const + sign * float(other), self.floored)
+        if sign < 0 and other.floored:
+            raise ValueError("cannot subtract a floored EventSpan; take float() first")
+        return EventSpan(self.terms + [(s * sign, a, b) for s, a, b in other.terms], self.const + sign * other.const,
+                         self.floored + other.floored)
+
+    def __add__(self, other: Any) -> "EventSpan":
+        return self._combine(other, 1)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> "EventSpan":
+        return self._combine(other, -1)
+
+    def nonnegative(self) -> "EventSpan":
+        """This span, read back as ``max(0, value)``."""
+        return EventSpan(floored=[self])
+
+    def __float__(self) -> float:
+        for _, _, end in self.terms:
+            end.synchronize()
+        value = self.const + sum(s * a.elapsed_time(b) for s, a, b in self.terms) / 1e3  # elapsed_time: ms
+        return value + sum(max(0.0, float(f)) for f in self.floored)
+
+
+class EventStopwatch:
+    """:class:`Stopwatch` on CUDA without host synchronisation: each stage records a start and an end event on
+    the current stream and charges an :class:`EventSpan`; :meth:`pop` returns the spans unread, so that the
+    caller reads them back once (``float()``, at the end of a generation) instead of waiting for the
+    device at every stage end. ``mark()`` / ``since(mark)`` measure a span around a call the same way."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
+        self.totals: dict[str, Any] = {}
+
+    @staticmethod
+    def mark() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def since(self, start: Any) -> EventSpan:
+        return EventSpan([(1, start, self.mark())])
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = self.mark()
+        try:
+            yield
+        finally:
+            self.add(stage, self.since(start))
+
+    def add(self, stage: str, seconds: Any) -> None:
+        self.totals[stage] = self.totals.get(stage, 0.0) + seconds
+
+    def pop(self) -> dict[str, Any]:
+        out, self.totals = self.totals, {}
+        return out
+
+
+def stage_clock(device: torch.device | str | None) -> "Stopwatch | EventStopwatch":
+    """The stage timer for work on ``device``: :class:`EventStopwatch` on CUDA (no synchronisation per stage;
+    times read back later), :class:`Stopwatch` elsewhere (a CPU has nothing to wait for)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return EventStopwatch(device)
+    return Stopwatch(device)
 
 
 DIRTY_LISTED = 20  # provenance lists at most this many of the paths git reports changed or untracked
