@@ -3,20 +3,9 @@ import json
 
 import pytest
 
-from xpress import findings, paths
+from xpress import findings
 
-from test_plots import table1_file
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(paths, "RESULTS", tmp_path)
-    (tmp_path / "p").mkdir()
-    return tmp_path / "p"
-
-
-def write(folder, name, obj):
-    (folder / f"{name}.json").write_text(json.dumps(obj))
+from test_plots import results, table1_file, write  # noqa: F401  (results: the fixture of a results folder "p")
 
 
 def train_file(folder, method, tau, prompts=4):
@@ -91,6 +80,36 @@ def test_jacobi_findings_follow_the_tau_curve(results):
     assert "99% of it is reached at K=3" in text and "dFlash 1.20" in text
     assert "Adaptive stopping at K=2 used 1.50 passes per round on average (max 2, 4 rounds); with K=3, 2.50." in text
     assert "No H200 run yet" in text
+
+
+def test_theorems_reads_the_checks_and_the_counted_cost(results):
+    write(results, "theorems", {"refiners": 3, "blocks": 4, "P": 5, "token_perturbations": 48, "hidden_nonzero": 25,
+                                "local_nonzero": 15, "jacobi_passes": {"random": {"mean": 3.25, "max": 5}},
+                                "changed_fraction": 0.4, "sampled_blocks": 24, "fold_max_rel_error": 3e-7,
+                                "uniqueness": [{"V_d": 3, "P": 4, "blocks enumerated": 81, "refiners": 2, "fixed points": 1}]})
+    text = findings.theorems("p")
+    assert "all 48 perturbations of later tokens (3 random refiners x 4 blocks x 4 cut points)" in text
+    assert "25 of 25 entries nonzero" in text and "lower-triangular (15 nonzeros), not the diagonal (5)" in text
+    assert "from random seeds every Jacobi run reached the sequential decode in 3.25 passes on average (max 5, P = 5)" in text
+    assert "V_d = 3, P = 4: 81 blocks x 2 refiners, 1 fixed point" in text and "3.0e-07" in text
+    assert "Cost at the paper's shapes" not in text                         # no refiner_cost.json: not said
+    write(results, "refiner_cost", {"table": [
+        {"setting": "paper: Qwen3-8B", "method": m, "GFLOP / block": g, "weights read (M elem)": w, "serial steps": s}
+        for m, g, w, s in (("xPress K=1", 1.0, 40.0, 1), ("xPress K=4", 4.0, 160.0, 4), ("Markov (15 steps)", 1.02, 600.0, 15))]})
+    assert ("one Jacobi pass costs 1.00 GFLOP per block against the Markov head's whole serial decode's 1.02 (15 steps), "
+            "but K = 4 passes stream 160M weight elements against its 600M") in findings.theorems("p")
+
+
+def test_environment_names_what_the_code_chose():
+    from types import SimpleNamespace
+
+    import torch
+
+    target = SimpleNamespace(name="tiny", num_layers=8, layer_ids=[1, 3, 5], compute_dtype=torch.bfloat16,
+                             meta={"runtime": "lean", "kernels": "fused", "kernels_reason": "AVX512-BF16"})
+    text = findings.environment("cpu", target, "Capital?", "Paris.")
+    assert "tiny, 8 layers, computing in bfloat16 on the lean runtime with fused layers (AVX512-BF16)" in text
+    assert "layers [1, 3, 5] (evenly spread from 1 to L-3 = 5)" in text and "it answered 'Paris.'" in text
 
 
 def test_regeneration_and_figures(results):

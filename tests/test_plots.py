@@ -70,7 +70,7 @@ def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
     assert drawn == [] and set(missing) == {"training_curves", "training_acceptance", "validation_tau", "table1",
                                           "resolution", "tau_vs_k", "latency", "batched", "target_cost", "data_scaling",
-                                          "levers", "cotraining_steps"}
+                                          "levers", "cotraining_steps", "refiner_cost"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -89,6 +89,8 @@ def test_every_figure_from_synthetic_files(results):
         {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
         for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
     write(results, "target_cost", target_cost_result())
+    write(results, "refiner_cost", {"table": [{"setting": st, "method": m, "GFLOP / block": g, "weights read (M elem)": g * 9}
+                                              for st in ("paper (V=9)", "cpu (V=4)") for m, g in (("xPress K=1", 1.0), ("Markov", 1.1))]})
     write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2,
                                         "implied_speedup": t / 2, "measured_speedup": t / 2.1}
                                        for lv, n, t in (("base", 900, 1.9), ("train.train_sequences=1", 100, 1.4),
@@ -97,7 +99,8 @@ def test_every_figure_from_synthetic_files(results):
                                   "val_tf_tau": 2 + n / 1000, "val_tau": 1.8 + n / 2000} for m in ("dflash", "xpress")
                                  for n in (6, 18)]})
     drawn, missing = draw_all("p")
-    assert missing == [] and [d.name for d in drawn] == ["training_curves", "training_acceptance", "validation_tau",
+    assert missing == [] and [d.name for d in drawn] == ["refiner_cost", "training_curves", "training_acceptance",
+                                                         "validation_tau",
                                                          "table1", "resolution", "tau_vs_k",
                                                          "latency", "batched", "target_cost", "data_scaling", "levers",
                                                          "cotraining_steps"]

@@ -395,6 +395,37 @@ def draw_target_cost(preset: str) -> Drawn | None:
                  "tau with free drafting. Data: target_cost.json (python -m xpress bench target-cost).")
 
 
+def plot_refiner_cost(result: dict):
+    """Notebook 02's counted cost per block (``refiner_cost.json``): FLOPs and parameter elements streamed per
+    block, per setting and method (log scale)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    cost = pd.DataFrame(result["table"])
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.2))
+    for ax, col in zip(axes, ["GFLOP / block", "weights read (M elem)"]):
+        sns.barplot(data=cost, x="setting", y=col, hue="method", ax=ax, palette="viridis")
+        ax.set_yscale("log")
+        ax.set_xlabel("")
+        ax.set_xticks(ax.get_xticks(), [t.get_text().replace(" (", "\n(") for t in ax.get_xticklabels()], fontsize=8)
+        ax.legend(fontsize=8)
+    axes[0].set_title("Refinement FLOPs per block")
+    axes[1].set_title("Parameter elements streamed per block")
+    fig.tight_layout()
+    return fig
+
+
+def draw_refiner_cost(preset: str) -> Drawn | None:
+    result = load_result(preset, "refiner_cost")
+    if not isinstance(result, dict) or not result.get("table"):
+        return None
+    return Drawn("refiner_cost", plot_refiner_cost(result),
+                 "FLOPs and parameter elements streamed per block of the xPress refiner at K passes and of the Markov "
+                 "head's serial decode, at the paper's shapes, SmolLM2's and the cpu preset's (counted, not timed). "
+                 "Data: refiner_cost.json, from notebook 02.")
+
+
 def plot_batched(result: dict):
     """Throughput (tokens/s) and speedup over AR against the batch size, one line per method."""
     import matplotlib.pyplot as plt
@@ -626,19 +657,18 @@ def draw_cotraining_steps(preset: str) -> Drawn | None:
                  "Data: levers.json (make studies: HEAD_LEVERS, HEAD_STEPS).")
 
 
-DRAWERS = {"training_curves": draw_training, "training_acceptance": draw_training_acceptance,
+DRAWERS = {"refiner_cost": draw_refiner_cost, "training_curves": draw_training, "training_acceptance": draw_training_acceptance,
            "validation_tau": draw_validation_tau, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
            "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers,
            "cotraining_steps": draw_cotraining_steps}
 # Figures no results file holds the data of: notebook 07 shows the copy the notebook saved.
 SAVED_ONLY = {"regeneration": "notebook 01, from the regenerated data under data/<preset>/ (not committed)",
-              "refiner_dependency": "notebook 02, from random refiners built in the notebook",
-              "refiner_cost": "notebook 02, from parameter and FLOP counts made in the notebook"}
+              "refiner_dependency": "notebook 02, from the Jacobians of random refiners built in the notebook"}
 MADE_BY = {"training_curves": "notebook 03", "training_acceptance": "notebook 03", "validation_tau": "notebook 03",
            "table1": "notebook 04", "resolution": "notebook 04", "target_cost": "notebook 04", "tau_vs_k": "notebook 05",
            "latency": "notebook 05", "batched": "notebook 06", "data_scaling": "make studies", "levers": "make studies",
-           "cotraining_steps": "make studies", **{k: v.split(",")[0] for k, v in SAVED_ONLY.items()}}
+           "cotraining_steps": "make studies", "refiner_cost": "notebook 02", **{k: v.split(",")[0] for k, v in SAVED_ONLY.items()}}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:
