@@ -25,6 +25,11 @@ def _num(x: Any, fmt: str = ".2f") -> str:
     return "not measured" if x is None or x != x else format(x, fmt)
 
 
+def _n(count: Any, word: str) -> str:
+    """``3 prompts``, ``1 prompt``."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def versus(ratio: float, name: str, tie: float = 0.02) -> str:
     """How a tau ratio reads: within ``tie`` of 1 a tie at this number of prompts."""
     return f"ties with {name}" if abs(ratio - 1) < tie else (f"beats {name}" if ratio > 1 else f"trails {name}")
@@ -117,8 +122,9 @@ def cotraining(preset: str, methods: Sequence[str] = METHODS) -> str:
     rows = validation_rows(preset, methods)
     if not rows:
         return f"No train_<method>.json under results/{preset}/: run notebook 03."
-    lines = [f"{r['method']}: tau by decoding {_num(r['validation tau (decoding)'])} on {r['validation prompts']} held-out "
-             f"validation prompts, teacher-forced tau {_num(r['teacher-forced tau (held out)'])} on the held-out blocks "
+    lines = [f"{r['method']}: tau by decoding {_num(r['validation tau (decoding)'])} on "
+             f"{_n(r['validation prompts'], 'held-out validation prompt')}, teacher-forced tau "
+             f"{_num(r['teacher-forced tau (held out)'])} on the held-out blocks "
              f"({_num(r['teacher-forced tau (last batch)'])} on the last training batch), after {r['steps']} steps."
              for r in rows]
     v = {r["method"]: r["validation tau (decoding)"] for r in rows}
@@ -179,14 +185,15 @@ def speculative_decoding(preset: str, first_token_p: dict[str, float] | None = N
         tab = {r["method"]: r for r in t0["table"]}
         lossless = all(r.get("lossless") for r in tab.values())
         lines.append(f"{'Every' if lossless else 'NOT every'} drafter ({', '.join(tab)}) produced exactly the target's "
-                     f"greedy tokens at T = 0 on {len(t0['prompts'])} prompts x {t0['max_new_tokens']} new tokens"
+                     f"greedy tokens at T = 0 on {_n(len(t0['prompts']), 'prompt')} x {t0['max_new_tokens']} new tokens"
                      + (f"; the oracle committed tau = {tab['oracle']['tau']:.1f} tokens per verification"
                         + (f" (B = {t1['block_size']})" if t1 else "") + f", random drafts {tab['random']['tau']:.2f}."
                         if {"oracle", "random"} <= set(tab) else "."))
     if first_token_p:
         passed = [m for m, p in first_token_p.items() if p > FIRST_TOKEN_ALPHA]
         lines.append(f"At T = {temperature:g} the first sampled token "
-                     f"{'passed' if len(passed) == len(first_token_p) else 'did not pass'} the chi-square test (p > {FIRST_TOKEN_ALPHA:g}) "
+                     f"{'passed' if len(passed) == len(first_token_p) else 'did not pass'} the chi-square test "
+                     f"(p > {FIRST_TOKEN_ALPHA:g}) "
                      f"against the target's own distribution for {', '.join(first_token_p)} (p-values "
                      f"{', '.join(f'{p:.2f}' for p in first_token_p.values())}).")
     if not t1:
@@ -196,7 +203,7 @@ def speculative_decoding(preset: str, first_token_p: dict[str, float] | None = N
         for t in t1.get("temperatures") or sorted({r["temperature"] for r in t1["summary"]}):
             parts = [f"{m} tau {avg[(t, m)]['tau']:.2f} ({avg[(t, m)]['speedup']:.2f}x AR"
                      + (", flagged)" if avg[(t, m)]["flag"] else ")") for m in t1["methods"] if (t, m) in avg]
-            line = (f"Table 1 at T = {t:g}, {t1['prompts_per_benchmark']} prompts x {t1['max_new_tokens']} new tokens on "
+            line = (f"Table 1 at T = {t:g}, {_n(t1['prompts_per_benchmark'], 'prompt')} x {t1['max_new_tokens']} new tokens on "
                     f"each of {len(t1['benchmarks'])} benchmarks, averaged: " + "; ".join(parts) + ".")
             for g in (r for r in t1["gains"] if r["temperature"] == t and r["bench"] == "avg"):
                 b = t1["bootstrap_tau_ratio"].get(g["baseline"], {}).get(str(float(t)), {}).get("avg")
@@ -206,9 +213,9 @@ def speculative_decoding(preset: str, first_token_p: dict[str, float] | None = N
                              f"many prompts).")
             lines.append(line)
         flags = t1.get("flags") or []
+        named = ", ".join(f"{f['method']} {f['bench']} at T = {f['temperature']:g}" for f in flags)
         lines.append(f"Speedups flagged as contradicting their own tau: {len(flags)}"
-                     + (f" ({', '.join(f['method'] + ' ' + f['bench'] + ' at T = ' + format(f['temperature'], 'g') for f in flags)}):"
-                        " timing noise or a busy machine, not a result; rerun on an idle machine." if flags else "."))
+                     + (f" ({named}): timing noise or a busy machine, not a result; rerun on an idle machine." if flags else "."))
         lines.append("Load: " + (" ".join(t1["warnings"]) if t1.get("warnings") else
                                  "the machine was quiet at the start and the end of Table 1."))
     res = load_result(preset, "resolution")
@@ -221,7 +228,7 @@ def speculative_decoding(preset: str, first_token_p: dict[str, float] | None = N
             a = next(r for r in d if r["bench"] == "avg")
             per = [r for r in d if r["bench"] != "avg"]
             unresolved = [r["bench"] for r in per if not r["resolved"]]
-            lines.append(f"On {res['prompts_per_benchmark']} prompts per benchmark (resolution.json, git "
+            lines.append(f"On {_n(res['prompts_per_benchmark'], 'prompt')} per benchmark (resolution.json, git "
                          f"{str(prov.get('git_revision'))[:7]}, {str(prov.get('date'))[:10]}), T = {t:g}: "
                          f"tau(xPress)/tau({base}) = {a['tau_ratio']:.3f} on average ({a['lo']:.3f}-{a['hi']:.3f}, "
                          f"{a['verdict']}); a 5% difference is resolved on average: {a['resolved']}, and on "
@@ -257,10 +264,11 @@ def jacobi_and_latency(preset: str) -> str:
                 for r in tk["summary"] if r["bench"] == "avg" and not str(r["variant"]).startswith("K=")}
         seq = line.get("xpress (sequential)")
         ks = sorted(avg)
+        last = P if P in avg else ks[-1]
         reach = min((k for k in ks if seq and avg[k] >= 0.99 * seq), default=None)
         lines.append(f"Figure 3 ({preset}, {tk['weights'].get('xpress')} xPress weights, {tk['prompts_per_benchmark']} "
                      f"prompts x {tk['max_new_tokens']} new tokens on each of {len(tk['benchmarks'])} benchmarks): average "
-                     f"tau rises from {avg[ks[0]]:.2f} at K={ks[0]} to {avg.get(P, avg[ks[-1]]):.2f} at K={P if P in avg else ks[-1]}, "
+                     f"tau rises from {avg[ks[0]]:.2f} at K={ks[0]} to {avg[last]:.2f} at K={last}, "
                      f"against the sequential decode's {_num(seq)} (Theorem 1: equal at K = P = {P}); 99% of it is "
                      f"reached at K={reach}; the Markov head reaches {_num(line.get('markov'))}, dFlash "
                      f"{_num(line.get('dflash'))}.")
