@@ -80,6 +80,16 @@ def test_jacobi_findings_follow_the_tau_curve(results):
     assert "99% of it is reached at K=3" in text and "dFlash 1.20" in text
     assert "Adaptive stopping at K=2 used 1.50 passes per round on average (max 2, 4 rounds); with K=3, 2.50." in text
     assert "No H200 run yet" in text
+    write(results, "latency", {"config": {"ks": [1, 4]}, "provenance": {"torch_threads": 2, "load_average_before": [0.5],
+                                                                         "load_average_after": [0.7]},
+                               "shape_sets": {"paper": {"shapes": {"name": "paper: X", "block_size": 4}, "readout": "float32",
+                                                        "timings": {"markov": {"median_ms": 2.0}, "xpress K=1": {"median_ms": 0.5},
+                                                                    "xpress K=4": {"median_ms": 1.0}},
+                                                        "paired": {"markov_over_xpress_k4": {"median": 2.0, "min": 1.8,
+                                                                                             "max": 2.2, "rounds": [1, 2, 3]}}}}})
+    text = findings.jacobi_and_latency("p")
+    assert ("Markov head 2.00 ms per block (3 serial steps); xPress K=1 0.50 ms, K=4 1.00 ms, so Markov / xPress K=4 = "
+            "2.00x (range 1.80-2.20 over 3 paired rounds") in text and "load average 0.5 -> 0.7" in text
 
 
 def test_theorems_reads_the_checks_and_the_counted_cost(results):
