@@ -93,7 +93,7 @@ def theorems(preset: str) -> str:
                                             for seed, v in th["jacobi_passes"].items())
              + f", with Eq. 12 held along the way; the correction changed {th['changed_fraction']:.0%} of the drafter's "
                f"argmax tokens, so the check is not vacuous.",
-             "**Uniqueness:** " + ", ".join(f"V_d = {r['V_d']}, P = {r['P']}: {r['blocks enumerated']} blocks x "
+             "**Uniqueness:** " + "; ".join(f"V_d = {r['V_d']}, P = {r['P']}: {r['blocks enumerated']} blocks x "
                                             f"{r['refiners']} refiners, {r['fixed points']} fixed point"
                                             for r in th["uniqueness"])
              + " each, equal to the sequential decode.",
