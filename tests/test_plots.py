@@ -68,8 +68,9 @@ def test_report_shows_the_target_cost_and_ar_against_generate(results):
 
 def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
-    assert drawn == [] and set(missing) == {"training_curves", "table1", "resolution", "tau_vs_k", "latency", "batched",
-                                          "target_cost", "data_scaling", "levers", "cotraining_steps"}
+    assert drawn == [] and set(missing) == {"training_curves", "training_acceptance", "validation_tau", "table1",
+                                          "resolution", "tau_vs_k", "latency", "batched", "target_cost", "data_scaling",
+                                          "levers", "cotraining_steps", "refiner_cost"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -81,12 +82,15 @@ def test_every_figure_from_synthetic_files(results):
                                 + [{"method": "markov", "bench": "a", "tau": 1.6}]})
     write(results, "latency", {"table": [{"method": m, "draft_s": 0.01, "refine_s": 0.002, "verify_s": 0.05,
                                           "bookkeeping_s": 0.001} for m in ("dflash", "xpress")]})
-    write(results, "train_xpress", {"log": [{"step": s, "refined_l1": 1.0 / (s + 1), "tf_tau": 1 + s / 10}
-                                            for s in (0, 10, 20)]})
+    write(results, "train_xpress", {"step": 20, "final_val": {"tau": 1.8, "prompts": 4, "val_tf_tau": 2.1},
+                                    "log": [{"step": s, "refined_l1": 1.0 / (s + 1), "tf_tau": 1 + s / 10,
+                                             "tf_accept": [0.6, 0.3, 0.1]} for s in (0, 10, 20)]})
     write(results, "resolution", {"rel": 0.05, "prompts_per_benchmark": 3, "table": [
         {"temperature": t, "baseline": b, "bench": n, "tau_ratio": 1.05, "lo": 1.0, "hi": 1.1}
         for t in (0.0, 1.0) for b in ("dflash", "markov") for n in ("a", "avg")]})
     write(results, "target_cost", target_cost_result())
+    write(results, "refiner_cost", {"table": [{"setting": st, "method": m, "GFLOP / block": g, "weights read (M elem)": g * 9}
+                                              for st in ("paper (V=9)", "cpu (V=4)") for m, g in (("xPress K=1", 1.0), ("Markov", 1.1))]})
     write(results, "levers", {"rows": [{"lever": lv, "steps": 8, "train_response_tokens": n, "val_tf_tau": t, "val_tau": t - 0.2,
                                         "implied_speedup": t / 2, "measured_speedup": t / 2.1}
                                        for lv, n, t in (("base", 900, 1.9), ("train.train_sequences=1", 100, 1.4),
@@ -95,13 +99,53 @@ def test_every_figure_from_synthetic_files(results):
                                   "val_tf_tau": 2 + n / 1000, "val_tau": 1.8 + n / 2000} for m in ("dflash", "xpress")
                                  for n in (6, 18)]})
     drawn, missing = draw_all("p")
-    assert missing == [] and [d.name for d in drawn] == ["training_curves", "table1", "resolution", "tau_vs_k",
+    assert missing == [] and [d.name for d in drawn] == ["refiner_cost", "training_curves", "training_acceptance",
+                                                         "validation_tau",
+                                                         "table1", "resolution", "tau_vs_k",
                                                          "latency", "batched", "target_cost", "data_scaling", "levers",
                                                          "cotraining_steps"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0
         assert (results / "figures" / f"{d.name}.pdf").is_file()
+
+
+def test_table1_figure_draws_every_method_and_benchmark_from_the_file(results):
+    from xpress.plots import draw_table1, load_result
+
+    table1_file(results)
+    data = load_result("p", "table1")
+    drawn = draw_table1("p")
+    axes = drawn.fig.axes
+    temps = sorted({r["temperature"] for r in data["summary"]})
+    assert [ax.get_title() for ax in axes] == [f"{c}, T = {t:g}" for c in ("tau", "speedup over AR") for t in temps]
+    for ax, (col, t) in zip(axes, [(c, t) for c in ("tau", "speedup") for t in temps]):
+        want = sorted(r[col] for r in data["summary"] if r["temperature"] == t and r["method"] != "ar")
+        got = sorted(b.get_height() for b in ax.patches if b.get_width() > 0 and b.get_height() == b.get_height())
+        assert got == pytest.approx(want)   # one bar per (method, benchmark incl. avg), at the file's value
+    labels = axes[len(temps) - 1].get_legend_handles_labels()[1]
+    assert labels == ["dflash", "xpress"] and "table1.json" in drawn.caption
+
+
+def test_notebook_07_shows_every_figure_once(results, monkeypatch):
+    import IPython.display
+    import matplotlib.pyplot as plt
+
+    from xpress.plots import SAVED_ONLY, show_all
+
+    plt.close("all")                          # figures earlier tests left open
+    table1_file(results)
+    (results / "figures").mkdir()
+    fig = plt.figure()
+    fig.savefig(results / "figures" / "regeneration.png")
+    plt.close(fig)
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    out = show_all("p")
+    figs = [o for o in shown if hasattr(o, "savefig")]
+    assert out["shown"] == ["table1", "regeneration"] and len(figs) == 1 and len(shown) == 4  # figure + caption each
+    assert plt.get_fignums() == []            # closed after display: the inline backend cannot show it again
+    assert set(SAVED_ONLY) - {"regeneration"} <= set(out["missing"]) and "batched" in out["missing"]
 
 
 def test_unreadable_shapes_are_skipped_not_guessed(results):

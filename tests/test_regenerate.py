@@ -344,3 +344,16 @@ def test_two_processes_equal_one(tmp_path, reference, torchrun):
     assert m["provenance"]["world_size"] == 2 and m["provenance"]["devices"] == ["cpu", "cpu"]
     assert r["provenance"]["world_size"] == 1 and r["this_run"]["processes"] == 1
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], "temporary entries left"
+
+
+def test_representative_answer_skips_loops_and_takes_the_median_length():
+    from xpress.train.regenerate import repetition, representative_answer
+
+    loop = [5, 6, 7, 8] * 10                       # a greedy decode stuck in a loop
+    assert repetition(loop) > 0.8 and repetition(list(range(40))) == 0.0 and repetition([1, 2]) == 0.0
+    answers = [loop, list(range(10)), list(range(100, 130)), list(range(200, 260)), list(range(300, 335))]
+    # non-degenerate lengths 10, 30, 60, 35: median 32.5, nearest 30 (index 2; 35 is farther)
+    assert representative_answer(answers) == 2
+    assert representative_answer([loop, loop[:20]]) == 0      # all degenerate: the median of all (40, 20 -> 30: tie -> first)
+    with pytest.raises(ValueError, match="regenerate the data first"):
+        representative_answer([])

@@ -151,6 +151,48 @@ def test_a_failed_run_records_the_notebooks_that_finished(tmp_path, monkeypatch)
                                                        "$XPRESS_RESULTS/smoke/executed/00_environment.ipynb")
 
 
+def widget_notebook() -> dict:
+    """A small executed notebook as papermill writes one with tqdm: widget state in the metadata, a
+    progress bar's widget view (with its frozen text fallback) beside ordinary outputs."""
+    bar = {"output_type": "display_data", "metadata": {},
+           "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "abc", "version_major": 2,
+                                                                  "version_minor": 0},
+                    "text/plain": "train xpress:   0%|          | 0/1500"}}
+    text = {"output_type": "stream", "name": "stdout", "text": "tau 1.8\n"}
+    table = {"output_type": "execute_result", "execution_count": 1, "metadata": {}, "data": {"text/plain": "a b"}}
+    return {"nbformat": 4, "nbformat_minor": 5,
+            "metadata": {"kernelspec": {"name": "xpress"}, "widgets": {"application/vnd.jupyter.widget-state+json": {}}},
+            "cells": [{"cell_type": "code", "id": "c1", "metadata": {}, "execution_count": 1, "source": "train()",
+                       "outputs": [bar, text, table]},
+                      {"cell_type": "markdown", "id": "m1", "metadata": {}, "source": "# findings"}]}
+
+
+def test_strip_widgets_drops_widget_state_and_frozen_bars():
+    import json
+
+    from xpress.pipeline import strip_widgets
+
+    nb = strip_widgets(widget_notebook())
+    assert "application/vnd.jupyter.widget" not in json.dumps(nb) and "widgets" not in nb["metadata"]
+    assert [o["output_type"] for o in nb["cells"][0]["outputs"]] == ["stream", "execute_result"]
+    assert nb["metadata"]["kernelspec"] == {"name": "xpress"} and nb["cells"][1]["source"] == "# findings"
+
+
+def test_the_pipeline_writes_executed_copies_without_widgets(tmp_path, monkeypatch):
+    import nbformat
+    import papermill as pm
+
+    from xpress import paths, pipeline
+
+    monkeypatch.setattr(paths, "RESULTS", tmp_path)
+    monkeypatch.setattr(pm, "execute_notebook",
+                        lambda src, out, **kw: nbformat.write(nbformat.from_dict(widget_notebook()), out))
+    (out,) = pipeline.run_notebooks("smoke", only=["00_"])
+    text = out.read_text()
+    assert "application/vnd.jupyter.widget" not in text and "tau 1.8" in text
+    assert "widgets" not in nbformat.read(out, as_version=4).metadata
+
+
 def test_readme_results_agree_with_files():
     """The measured numbers of README.md, results/<preset>/README.md and docs/ are generated from results/<preset>/
     (python -m xpress report); every file the report fills holds its sections."""

@@ -91,7 +91,7 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
             raise NotebookFailed(f"{nb.name} failed in cell {e.exec_count} ({e.ename}: {e.evalue}); the executed "
                                  f"copy with the traceback is {out}") from None
         seconds = round(time.perf_counter() - t0, 1)
-        _portable_paths(out)
+        tidy_executed(out)
         prov = provenance(preset)
         times[nb.stem] = {"seconds": seconds, "git_revision": prov["git_revision"], "date": prov["date"]}
         print(f"[xpress] {nb.name}: {seconds:.0f} s", flush=True)
@@ -100,9 +100,23 @@ def run_notebooks(preset: str, only: Sequence[str] = (), overrides: Sequence[str
     return done
 
 
-def _portable_paths(notebook: Path) -> None:
-    """papermill records the input and output paths as given (this machine's folders); keep them as
-    :func:`xpress.paths.portable` shows them, so an executed notebook reads the same from any clone."""
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def strip_widgets(nb: dict) -> dict:
+    """``nb`` (a notebook as a dict or nbformat node) without saved widget state: no ``metadata.widgets``
+    and no output that carries a widget view (tqdm's progress bars, whose text fallback is the bar frozen
+    as it was first drawn). Changes ``nb`` in place and returns it."""
+    nb.get("metadata", {}).pop("widgets", None)
+    for cell in nb.get("cells", []):
+        if "outputs" in cell:
+            cell["outputs"] = [o for o in cell["outputs"] if WIDGET_MIME not in o.get("data", {})]
+    return nb
+
+
+def tidy_executed(notebook: Path) -> None:
+    """Rewrite an executed copy (atomically) so it reads the same from any clone: papermill's input and
+    output paths as :func:`xpress.paths.portable` shows them, and no widget state (:func:`strip_widgets`)."""
     import nbformat
 
     from .utils import atomic_write
@@ -112,6 +126,7 @@ def _portable_paths(notebook: Path) -> None:
     for key in ("input_path", "output_path"):
         if record.get(key):
             record[key] = paths.portable(record[key])
+    strip_widgets(nb)
     atomic_write(notebook, lambda tmp: nbformat.write(nb, str(tmp)))
 
 

@@ -1,9 +1,11 @@
 """Figures, drawn from result files: every notebook saves through :func:`save_fig`, PNG and PDF under
 ``results/<preset>/figures/`` (so a run of one preset never touches another's figures).
 
-Notebook 07 draws every figure from ``results/<preset>/`` alone, without running a model::
+Notebook 07 draws every figure from ``results/<preset>/`` alone, without running a model, and shows the
+few whose data no results file holds (:data:`SAVED_ONLY`) as their notebooks saved them::
 
     drawn, missing = draw_all("cpu")     # [Drawn(name, fig, caption)], names whose data is absent
+    show_all("cpu")                      # each figure displayed once, with its caption
 """
 from __future__ import annotations
 
@@ -118,12 +120,73 @@ def draw_training(preset: str) -> Drawn | None:
                  f"`python -m xpress train --preset {preset} --method <method>`.")
 
 
-def plot_table1(result: dict):
-    """Table 1 as bars: tau (top) and speedup over AR (bottom) per benchmark and on average, one panel per
-    temperature, one bar per method (AR left out: 1 by definition, the dashed line). Error bars: sd over
-    seeds for tau at T > 0; the min-max spread over passes for the speedup."""
+METHODS = ("dflash", "markov", "xpress")
+
+
+def acceptance_rows(preset: str, methods: Sequence[str] = METHODS) -> list[dict]:
+    """Teacher-forced acceptance per block position at the last logged step of each method's training
+    (``train_<method>.json``): ``{"method", "position k", "accepted up to k"}``."""
+    return [{"method": m, "position k": k + 1, "accepted up to k": a}
+            for m in methods for log in [training_log(preset, m)] if log
+            for k, a in enumerate(log[-1].get("tf_accept", []))]
+
+
+def draw_training_acceptance(preset: str, methods: Sequence[str] = METHODS) -> Drawn | None:
     import matplotlib.pyplot as plt
-    import numpy as np
+    import pandas as pd
+    import seaborn as sns
+
+    rows = acceptance_rows(preset, methods)
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    sns.lineplot(data=pd.DataFrame(rows), x="position k", y="accepted up to k", hue="method", marker="o", ax=ax)
+    ax.set_title("teacher-forced acceptance per block position, end of training")
+    fig.tight_layout()
+    return Drawn("training_acceptance", fig, "Teacher-forced acceptance per block position at the end of training: the "
+                 "fraction of training blocks whose tokens up to position k all equal the target's (its sum plus one is "
+                 "the teacher-forced tau). Data: the last logged step of train_<method>.json, from notebook 03.")
+
+
+def validation_rows(preset: str, methods: Sequence[str] = METHODS) -> list[dict]:
+    """Per trained method (``train_<method>.json``): tau by decoding the held-out validation prompts at the
+    end of training (``final_val``), on how many prompts, and the teacher-forced tau of the last logged step."""
+    rows = []
+    for m in methods:
+        res = load_result(preset, f"train_{m}")
+        if not res:
+            continue
+        final, log = res.get("final_val") or {}, res.get("log") or [{}]
+        rows.append({"method": m, "steps": res.get("step"), "validation tau (decoding)": final.get("tau"),
+                     "validation prompts": final.get("prompts"), "teacher-forced tau (last batch)": log[-1].get("tf_tau"),
+                     "teacher-forced tau (held out)": final.get("val_tf_tau")})
+    return rows
+
+
+def draw_validation_tau(preset: str, methods: Sequence[str] = METHODS) -> Drawn | None:
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    rows = validation_rows(preset, methods)
+    if not rows:
+        return None
+    cols = ["validation tau (decoding)", "teacher-forced tau (held out)", "teacher-forced tau (last batch)"]
+    df = pd.DataFrame(rows).set_index("method")[cols].astype(float)
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    df.plot.bar(ax=ax, rot=0)
+    ax.set_title("tau at the end of training: by decoding vs teacher-forced")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    n = sorted({r["validation prompts"] for r in rows if r["validation prompts"]})
+    return Drawn("validation_tau", fig, f"tau at the end of training per method: by decoding {'/'.join(map(str, n)) or '?'} "
+                 "held-out validation prompts, teacher-forced on the held-out blocks and on the last training batch. "
+                 "Data: train_<method>.json (final_val, log), from notebook 03.")
+
+
+def plot_table1(result: dict):
+    """Table 1 (``table1.json``) as seaborn bars: tau (top) and speedup over AR (bottom) per benchmark and on
+    average, one panel per temperature, one bar per method (AR left out: 1 by definition, the dashed line).
+    Whiskers: sd over seeds for tau at T > 0; the min-max spread over timed passes for the speedup."""
+    import matplotlib.pyplot as plt
     import pandas as pd
     import seaborn as sns
 
@@ -132,23 +195,25 @@ def plot_table1(result: dict):
     temps = sorted(df["temperature"].unique())
     methods = [m for m in result.get("methods", []) if m in set(df["method"])] or sorted(df["method"].unique())
     benches = [b for b in result.get("benchmarks", []) if b in set(df["bench"])] + ["avg"]
-    colors = dict(zip(methods, sns.color_palette("deep", len(methods))))
+    palette = dict(zip(methods, sns.color_palette("deep", len(methods))))
     fig, axes = plt.subplots(2, len(temps), figsize=(6.5 * len(temps), 6.4), squeeze=False)
+    width = 0.8 / len(methods)  # seaborn's dodged bars: 0.8 of a category, split evenly between the methods
     for j, t in enumerate(temps):
         d = df[df["temperature"] == t]
-        for i, (col, err) in enumerate((("tau", "tau_sd"), ("speedup", None))):
+        for i, col in enumerate(("tau", "speedup")):
             ax = axes[i, j]
-            val = d.pivot(index="bench", columns="method", values=col).reindex(index=benches, columns=methods)
-            if err:
-                yerr = d.pivot(index="bench", columns="method", values=err).reindex(index=benches, columns=methods).fillna(0)
-            else:
-                lo = d.pivot(index="bench", columns="method", values="speedup_lo").reindex(index=benches, columns=methods)
-                hi = d.pivot(index="bench", columns="method", values="speedup_hi").reindex(index=benches, columns=methods)
-                yerr = np.array([[(val[m] - lo[m]).clip(lower=0).fillna(0).to_numpy(),
-                                  (hi[m] - val[m]).clip(lower=0).fillna(0).to_numpy()] for m in methods])  # [M, 2, N]
-            val.plot.bar(ax=ax, yerr=yerr, color=[colors[m] for m in methods], capsize=2, rot=0, legend=i == 0 and j == len(temps) - 1)
+            sns.barplot(data=d, x="bench", y=col, hue="method", order=benches, hue_order=methods, palette=palette,
+                        errorbar=None, ax=ax, legend=i == 0 and j == len(temps) - 1)
+            for k, m in enumerate(methods):
+                r = d[d["method"] == m].set_index("bench").reindex(benches)
+                lo, hi = ((r["tau"] - r["tau_sd"].fillna(0), r["tau"] + r["tau_sd"].fillna(0)) if col == "tau"
+                          else (r["speedup_lo"].fillna(r["speedup"]), r["speedup_hi"].fillna(r["speedup"])))
+                x = [b - 0.4 + width * (k + 0.5) for b in range(len(benches))]
+                ax.errorbar(x, r[col], yerr=[(r[col] - lo).clip(lower=0), (hi - r[col]).clip(lower=0)], fmt="none",
+                            ecolor="k", elinewidth=0.8, capsize=2)
             ax.axhline(1.0, ls="--", c="k", lw=1)
             ax.set_xlabel("")
+            ax.set_ylabel("tau (tokens per verification)" if col == "tau" else "speedup over AR")
             ax.set_title(f"{'tau' if col == 'tau' else 'speedup over AR'}, T = {t:g}")
     if axes[0, -1].get_legend():
         sns.move_legend(axes[0, -1], "upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -328,6 +393,37 @@ def draw_target_cost(preset: str) -> Drawn | None:
                  "the lean runtime; black dots: the transformers forward in float32; red triangles: the lean forward with each layer one C++ call "
                  "(float32 where built, bf16 where its products run on AMX tiles). verify / step at B is the break-even "
                  "tau with free drafting. Data: target_cost.json (python -m xpress bench target-cost).")
+
+
+def plot_refiner_cost(result: dict):
+    """Notebook 02's counted cost per block (``refiner_cost.json``): FLOPs and parameter elements streamed per
+    block, per setting and method (log scale)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    cost = pd.DataFrame(result["table"])
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.2))
+    for ax, col in zip(axes, ["GFLOP / block", "weights read (M elem)"]):
+        sns.barplot(data=cost, x="setting", y=col, hue="method", ax=ax, palette="viridis")
+        ax.set_yscale("log")
+        ax.set_xlabel("")
+        ax.set_xticks(ax.get_xticks(), [t.get_text().replace(" (", "\n(") for t in ax.get_xticklabels()], fontsize=8)
+        ax.legend(fontsize=8)
+    axes[0].set_title("Refinement FLOPs per block")
+    axes[1].set_title("Parameter elements streamed per block")
+    fig.tight_layout()
+    return fig
+
+
+def draw_refiner_cost(preset: str) -> Drawn | None:
+    result = load_result(preset, "refiner_cost")
+    if not isinstance(result, dict) or not result.get("table"):
+        return None
+    return Drawn("refiner_cost", plot_refiner_cost(result),
+                 "FLOPs and parameter elements streamed per block of the xPress refiner at K passes and of the Markov "
+                 "head's serial decode, at the paper's shapes, SmolLM2's and the cpu preset's (counted, not timed). "
+                 "Data: refiner_cost.json, from notebook 02.")
 
 
 def plot_batched(result: dict):
@@ -561,10 +657,18 @@ def draw_cotraining_steps(preset: str) -> Drawn | None:
                  "Data: levers.json (make studies: HEAD_LEVERS, HEAD_STEPS).")
 
 
-DRAWERS = {"training_curves": draw_training, "table1": draw_table1, "resolution": draw_resolution,
+DRAWERS = {"refiner_cost": draw_refiner_cost, "training_curves": draw_training, "training_acceptance": draw_training_acceptance,
+           "validation_tau": draw_validation_tau, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
            "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers,
            "cotraining_steps": draw_cotraining_steps}
+# Figures no results file holds the data of: notebook 07 shows the copy the notebook saved.
+SAVED_ONLY = {"regeneration": "notebook 01, from the regenerated data under data/<preset>/ (not committed)",
+              "refiner_dependency": "notebook 02, from the Jacobians of random refiners built in the notebook"}
+MADE_BY = {"training_curves": "notebook 03", "training_acceptance": "notebook 03", "validation_tau": "notebook 03",
+           "table1": "notebook 04", "resolution": "notebook 04", "target_cost": "notebook 04", "tau_vs_k": "notebook 05",
+           "latency": "notebook 05", "batched": "notebook 06", "data_scaling": "make studies", "levers": "make studies",
+           "cotraining_steps": "make studies", "refiner_cost": "notebook 02", **{k: v.split(",")[0] for k, v in SAVED_ONLY.items()}}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:
@@ -580,3 +684,28 @@ def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:
             save_fig(d.fig, d.name, preset)
         drawn.append(d)
     return drawn, missing
+
+
+def show_all(preset: str, save: bool = True) -> dict[str, list[str]]:
+    """Notebook 07: every figure of :data:`DRAWERS` drawn from ``results/<preset>/`` (saved unless ``save`` is
+    false) and every :data:`SAVED_ONLY` figure as its notebook saved it, each displayed ONCE with its caption
+    (a drawn figure is closed after display, so the inline backend does not show it again at the cell's end).
+    Returns ``{"shown": names, "missing": names}`` (a figure whose data or saved file is absent)."""
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, Markdown, display
+
+    drawn, missing = draw_all(preset, save)
+    for d in drawn:
+        display(d.fig)
+        plt.close(d.fig)
+        display(Markdown(f"**{d.name}** (`{paths.portable(figures_dir(preset) / d.name)}.png`, `.pdf`): {d.caption}"))
+    shown = [d.name for d in drawn]
+    for name, source in SAVED_ONLY.items():
+        png = figures_dir(preset) / f"{name}.png"
+        if not png.is_file():
+            missing.append(name)
+            continue
+        display(Image(filename=str(png)))
+        display(Markdown(f"**{name}** (`{paths.portable(png)}`): as saved by {source}."))
+        shown.append(name)
+    return {"shown": shown, "missing": missing}

@@ -676,6 +676,34 @@ class RegenData:
 
 
 # ------------------------------------------------------------------------------------------------ checking
+REPETITION_N = 4          # n-gram length of the repetition measure
+DEGENERATE_REPETITION = 0.25  # an answer with a larger share of repeated 4-grams loops rather than answers
+
+
+def repetition(tokens: Sequence[int], n: int = REPETITION_N) -> float:
+    """The share of an answer's token n-grams that repeat an earlier one: ``1 - distinct / total`` (0 for an
+    answer shorter than ``n + 1`` tokens). A greedy decode stuck in a loop scores near 1."""
+    grams = [tuple(tokens[j:j + n]) for j in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if len(grams) > 1 else 0.0
+
+
+def representative_answer(answers: Sequence[Sequence[int]], max_repetition: float = DEGENERATE_REPETITION) -> int:
+    """The index of a representative answer: among the non-degenerate ones (:func:`repetition` at most
+    ``max_repetition``), the one whose length is nearest their median (the first such on ties); among all
+    answers when every one is degenerate. ValueError for no answers."""
+    if not answers:
+        raise ValueError("no answers to choose from: regenerate the data first (notebook 01)")
+    pool = [i for i, a in enumerate(answers) if repetition(a) <= max_repetition] or list(range(len(answers)))
+    median = float(np.median([len(answers[i]) for i in pool]))
+    return min(pool, key=lambda i: (abs(len(answers[i]) - median), i))
+
+
+def representative_sequence(data: "RegenData", split: str = "train") -> int:
+    """The row of ``data`` whose answer :func:`representative_answer` picks among the ``split`` rows."""
+    rows = data.indices(split)
+    return rows[representative_answer([data.input_ids[i][data.prompt_len[i]:] for i in rows])]
+
+
 def check_sequence(data: RegenData, target, i: int) -> dict[str, Any]:
     """Check regenerated sequence ``i`` against one teacher-forced forward of ``target`` over it.
 
