@@ -1,6 +1,6 @@
 """The qwen3-tiny rehearsal preset: it differs from qwen3-8b in sizes only; its stand-in target and
-released drafter are written once in the hub's and z-lab's layouts and load through the paths of the real
-ones; and, at smoke size, regenerate -> train (dflash, and xpress with refiner_only) -> Table 1 at T = 0
+released drafter are written once (``python -m xpress rehearsal-assets``, not by the loader) in the hub's and
+z-lab's layouts and load through the paths of the real ones; and, at smoke size, regenerate -> train (dflash, and xpress with refiner_only) -> Table 1 at T = 0
 equal to greedy AR."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from xpress import paths
 from xpress.__main__ import main
 from xpress.config import load_config
 from xpress.drafter import DFlashDraftModel
-from xpress.rehearsal import MARKER, RehearsalError, ensure_rehearsal_assets, is_rehearsal_path
+from xpress.paths import is_rehearsal_path
+from xpress.rehearsal import MARKER, RehearsalError, ensure_rehearsal_assets
 from xpress.targets import format_chat, load_target
 
 # Keys that may differ between qwen3-tiny and qwen3-8b, each with why it is a size, a name or a placement.
@@ -123,6 +124,15 @@ def test_rehearsal_paths():
     assert is_rehearsal_path(load_config("qwen3-tiny").target.model)
     assert paths.resolve(load_config("qwen3-tiny").target.model).is_relative_to(paths.REPO_ROOT)
     assert not is_rehearsal_path("Qwen/Qwen3-8B") and not is_rehearsal_path("")
+
+
+def test_a_clone_named_rehearsal_is_not_a_rehearsal_folder(tmp_path, monkeypatch):
+    """The smoke target's name resolves into the repository root; a clone in a folder named `rehearsal`
+    must not take it for a stand-in (ensure_rehearsal_assets would write one there)."""
+    monkeypatch.setattr(paths, "REPO_ROOT", tmp_path / "rehearsal")
+    assert not is_rehearsal_path(load_config("smoke").target.model) and not is_rehearsal_path("model")
+    assert is_rehearsal_path(".cache/rehearsal/Qwen3-tiny")
+    assert ensure_rehearsal_assets(load_config("smoke")) == {} and not (tmp_path / "rehearsal").exists()
 
 
 def released_names(layers: int) -> set[str]:

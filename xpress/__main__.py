@@ -14,7 +14,8 @@ Commands:
            --nproc_per_node N -m xpress.studies.table1 --preset cpu``, and .resolution, .batched)
   report   the generated sections of README.md, results/<preset>/README.md and docs/ from the result files
   rehearsal-assets  write the qwen3-tiny stand-ins (target, released drafter) if missing:
-           ``python -m xpress rehearsal-assets --preset qwen3-tiny`` (loading the target does it too)
+           ``python -m xpress rehearsal-assets --preset qwen3-tiny`` (notebook 00 does it too;
+           the target loader only reads them)
   gpu-hours  GPU-hours per stage at a preset's sizes: ``python -m xpress gpu-hours --preset qwen3-8b``
   train    co-train a drafter and its head: ``python -m xpress train --preset cpu --method xpress``
            (several processes: ``accelerate launch -m xpress train ...`` or ``torchrun --nproc_per_node N -m xpress train ...``)

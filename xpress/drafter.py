@@ -683,11 +683,8 @@ def locate_checkpoint(name: str | os.PathLike) -> Path:
                 f"downloaded from the hub ({e.__class__.__name__}); download it where the hub is reachable "
                 f"(huggingface-cli download {text} --local-dir <folder>) and point drafter.checkpoint at "
                 f"that folder") from None
-    from .rehearsal import is_rehearsal_path
-
-    if is_rehearsal_path(name):
-        raise CheckpointNotFoundError(f"rehearsal drafter folder {folder} does not exist yet; it is written with the "
-                                      f"preset's target: load the target first, or run `python -m xpress "
-                                      f"rehearsal-assets --preset <preset>`")
+    if paths.is_rehearsal_path(name):
+        raise CheckpointNotFoundError(f"rehearsal drafter folder {folder} does not exist yet; write it with "
+                                      f"`python -m xpress rehearsal-assets --preset <preset>` (notebook 00 runs it)")
     raise CheckpointNotFoundError(f"drafter checkpoint folder {folder} does not exist; give a folder holding "
                                   f"config.json + model.safetensors, or a hub id such as z-lab/Qwen3-8B-DFlash-b16")

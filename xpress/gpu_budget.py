@@ -137,7 +137,8 @@ def target_dims(cfg: Config) -> Dims:
     t = cfg.target
     if t.model in KNOWN_TARGETS:
         return KNOWN_TARGETS[t.model]
-    from .rehearsal import is_rehearsal_path, padded_vocab
+    from .paths import is_rehearsal_path
+    from .rehearsal import padded_vocab
 
     rehearsal = t.source == "hub" and is_rehearsal_path(t.model)
     if t.source != "random" and not rehearsal:

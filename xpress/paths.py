@@ -1,4 +1,6 @@
-"""Repository paths, resolved from this file rather than the working directory.
+"""Repository paths, resolved from this file rather than the working directory: owns every folder the
+project reads or writes (configs, data, results, checkpoints, the cache) and which folders are rehearsal
+stand-ins.
 
 papermill and nbval start notebook kernels in different folders, so every path in the project goes
 through here.
@@ -18,6 +20,7 @@ RESULTS = Path(os.environ.get("XPRESS_RESULTS", REPO_ROOT / "results")).expandus
 FIGURES = RESULTS / "figures"
 CHECKPOINTS = Path(os.environ.get("XPRESS_CHECKPOINTS", REPO_ROOT / "checkpoints")).expanduser().resolve()
 NOTEBOOKS = REPO_ROOT / "notebooks"
+REHEARSAL_DIR = "rehearsal"  # a folder of this name holds project-written stand-ins (xpress.rehearsal)
 
 
 def cache_dir() -> Path:
@@ -42,3 +45,12 @@ def portable(path: str | os.PathLike) -> str:
         if p.is_relative_to(root) and not root.is_relative_to(REPO_ROOT):
             return f"${name}/{p.relative_to(root).as_posix()}"
     return p.relative_to(REPO_ROOT).as_posix() if p.is_relative_to(REPO_ROOT) else str(path)
+
+
+def is_rehearsal_path(name: str | os.PathLike) -> bool:
+    """Whether ``name`` (relative paths: from the repository root) is a rehearsal asset folder, one that
+    ``python -m xpress rehearsal-assets`` writes (:mod:`xpress.rehearsal`): its parent folder is named
+    :data:`REHEARSAL_DIR` and is not the repository root (a clone may itself be named ``rehearsal``). A hub id
+    such as ``Qwen/Qwen3-8B`` is not."""
+    folder = resolve(name)
+    return bool(str(name)) and folder.parent.name == REHEARSAL_DIR and folder.parent != REPO_ROOT

@@ -356,7 +356,8 @@ def plot_target_cost(result: dict):
     lean = df[df["runtime"] == "lean"]
     old = df[(df["runtime"] == "transformers") & (df["component"] == "forward")]
     fused = df[(df["runtime"] == "lean-fused") & (df["component"] == "forward")]
-    dtypes, contexts = list(result["dtypes"]), list(result["contexts"])
+    dtypes = [d for d in result["dtypes"] if d in set(lean["dtype"])]  # not those the target skipped ("skipped")
+    contexts = list(result["contexts"])
     comps = [c for c in result["components"]]
     colors = dict(zip(comps, sns.color_palette("deep", len(comps))))
     fig, axes = plt.subplots(len(dtypes), len(contexts), figsize=(3.2 * len(contexts), 2.8 * len(dtypes)),

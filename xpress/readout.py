@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .cpu import onednn_bf16
 
 PACK_ROWS = 16  # the batch the readout weight is reordered for (a Jacobi pass reads out <= P rows per block)
 ARGMAX_CHUNK = 256  # vocabulary slice of :func:`argmax_last` and of the certified argmax
@@ -74,13 +75,6 @@ def slice_maxima(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     return peaks
 
 
-def _bf16_gemm_available() -> bool:
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 class Readout:
     """Inference readout of a weight ``W`` [V, r] (passed on each call, so the live parameter is read; the
     derived copies are kept until its storage or version changes).
@@ -114,7 +108,7 @@ class Readout:
 
     def _bf16(self, w: torch.Tensor) -> torch.Tensor | None:
         """The packed bfloat16 copy of ``W`` (made on first use), or None where it cannot be made."""
-        if self._packed_bf16 is None and self._key is not None and _bf16_gemm_available():
+        if self._packed_bf16 is None and self._key is not None and onednn_bf16():
             with torch.no_grad():
                 try:
                     self._packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(

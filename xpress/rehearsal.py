@@ -1,4 +1,5 @@
 """Rehearsal assets: stand-ins for ``Qwen/Qwen3-8B`` and ``z-lab/Qwen3-8B-DFlash-b16``, written by the project.
+Owns writing them (``python -m xpress rehearsal-assets``); it sits above the targets and the drafter it writes.
 
 The ``qwen3-tiny`` preset rehearses ``qwen3-8b`` on a CPU in minutes. Its target and its released drafter
 are small random models that this module writes ONCE, in the layouts the real ones have on the model hub,
@@ -12,10 +13,12 @@ so that every later load goes through the same code as the paper's setting:
   with the 58 tensor names of five layers, bfloat16), loaded by ``drafter.checkpoint``
   (:meth:`xpress.drafter.DFlashDraftModel.from_pretrained`).
 
-Which folders are rehearsal assets: those whose parent folder is named ``rehearsal`` (the preset uses
-``.cache/rehearsal/<name>``, from the repository root). :func:`xpress.targets.load_target` calls
-:func:`ensure_rehearsal_assets` for such a ``target.model``; it writes whatever is missing (each folder in
-one atomic rename) and refuses a folder written for another shape (the marker file names it).
+Which folders are rehearsal assets: those whose parent folder is named ``rehearsal``
+(:func:`xpress.paths.is_rehearsal_path`; the preset uses ``.cache/rehearsal/<name>``, from the repository
+root). ``python -m xpress rehearsal-assets --preset qwen3-tiny`` and notebook 00 call
+:func:`ensure_rehearsal_assets`; it writes whatever is missing (each folder in one atomic rename) and
+refuses a folder written for another shape (the marker file names it). The target loader then reads the
+folders as any hub folder; it never writes them.
 
 The target: ``target.random_layers`` Qwen3 layers of width ``target.random_hidden`` (heads, key-value heads,
 intermediate size and init scale from the other ``target.random_*`` keys; ``head_dim = hidden / heads``),
@@ -33,7 +36,6 @@ drafter has exactly the released tensors, no ``mask_embedding``. The spare rows 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,10 @@ import torch
 
 from . import paths
 from .config import Config
+from .paths import is_rehearsal_path
 from .targets import TargetError
 from .utils import atomic_dir, atomic_write_json
 
-REHEARSAL_DIR = "rehearsal"  # a folder of this name holds project-written stand-ins
 MARKER = "xpress_rehearsal.json"  # what wrote the folder, and for which shape
 VOCAB_PAD = 128  # the embedding has len(tokenizer) rounded up past the next multiple of this (Qwen3-8B: 128)
 
@@ -90,12 +92,6 @@ QWEN3_CHAT_TEMPLATE = (
 
 class RehearsalError(TargetError):
     """A rehearsal folder that exists but was written for another shape; the message says how to fix it."""
-
-
-def is_rehearsal_path(name: str | os.PathLike) -> bool:
-    """Whether ``name`` (relative paths: from the repository root) is a rehearsal asset folder: its parent
-    folder is named ``rehearsal``. A hub id such as ``Qwen/Qwen3-8B`` is not."""
-    return bool(str(name)) and paths.resolve(name).parent.name == REHEARSAL_DIR
 
 
 def target_spec(cfg: Config) -> dict[str, Any]:
@@ -152,11 +148,11 @@ def _complete(folder: Path, spec: dict[str, Any]) -> bool:
 def ensure_rehearsal_assets(cfg: Config) -> dict[str, Path]:
     """Write the preset's rehearsal target (``target.model``) and drafter (``drafter.checkpoint``) where they
     are missing; each folder appears in one atomic rename, and a complete one is left alone (idempotent).
-    Only folders for which :func:`is_rehearsal_path` holds are considered. Returns ``{"target": folder,
-    "drafter": folder}`` for those of the preset."""
+    Only a hub ``target.model`` and a ``drafter.checkpoint`` for which :func:`is_rehearsal_path` holds are
+    considered. Returns ``{"target": folder, "drafter": folder}`` for those of the preset."""
     out: dict[str, Path] = {}
     model = None
-    if is_rehearsal_path(cfg.target.model):
+    if cfg.target.source == "hub" and is_rehearsal_path(cfg.target.model):
         out["target"] = folder = paths.resolve(cfg.target.model)
         if not _complete(folder, target_spec(cfg)):
             model = write_target(folder, cfg)

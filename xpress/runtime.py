@@ -30,7 +30,10 @@ by the same construction (every row's arithmetic is fixed whatever the number of
 PyTorch dispatches a layer costs here.
 
 Supported: ``model_type`` in :data:`SUPPORTED` with default RoPE (Llama: SmolLM2; Qwen3: per-head q/k
-RMSNorm). Anything else runs through transformers (``target.runtime: transformers``).
+RMSNorm); the fused C++ layer runs Llama only. Anything else runs through transformers (``target.runtime:
+transformers``). :func:`lean_support` is the one question of what runs here (a model, a dtype, the fused
+kernels or not) and why not: :class:`LeanModel` refuses exactly its cases, and every caller that picks a runtime
+(:func:`xpress.targets.choose_runtime`, the studies) asks it first.
 
 Shapes: ``b`` rows, ``n`` new tokens, ``L`` cached columns, ``H`` hidden, ``nh`` / ``nkv`` query / key-value
 heads of width ``hd``, ``g = nh // nkv`` query heads per key-value head, ``C`` key chunks of ``CHUNK``.
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .cpu import cpu_flags
+from .cpu import cpu_flags, onednn_bf16, simulated_class
 
 SUPPORTED = ("llama", "qwen3")
 CHUNK = 64  # key columns per chunk of the softmax sums (absolute cache columns 0-63, 64-127, ...)
@@ -63,17 +66,15 @@ def native_bf16() -> bool:
     bf16 kernels (AVX512-BF16 or AMX-BF16)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return onednn_bf16()
 
 
 def cpu_features() -> dict[str, bool]:
     """The CPU's matrix features that decide the target dtype (:func:`xpress.cpu.cpu_flags`)."""
     flags = cpu_flags()
     return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "onednn_bf16": native_bf16() if not torch.cuda.is_available() else False}
+            "amx_bf16": "amx_bf16" in flags, "onednn_bf16": native_bf16() if not torch.cuda.is_available() else False,
+            **({"simulated_class": simulated_class()} if simulated_class() != "native" else {})}
 
 
 def bf16_row_block() -> int:
@@ -320,6 +321,36 @@ def amx_fits(cfg: Any) -> bool:
     return all(d % 32 == 0 for d in (int(cfg.hidden_size), int(cfg.num_attention_heads) * hd, int(cfg.intermediate_size)))
 
 
+def lean_support(model: Any, dtype: torch.dtype, kernels: Any = None) -> tuple[bool, str]:
+    """Whether :class:`LeanModel` runs ``model`` (a transformers ``*ForCausalLM``) in ``dtype`` on the device its
+    weights are on, with the fused C++ ``kernels`` if given (the module of :func:`xpress.kernels.fused_cpu`),
+    and if not, why: ``(True, "")`` or ``(False, reason)``. The one capability query a caller asks before
+    choosing a runtime (studies fall back to the transformers forward and record the reason); the lean
+    runtime refuses exactly these cases (:class:`RuntimeUnsupported` with the same reason)."""
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", "?")
+    if model_type not in SUPPORTED:
+        return False, f"model_type {model_type!r} (the lean runtime runs {', '.join(SUPPORTED)})"
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        return False, f"RoPE type {rope.get('rope_type')!r} (the lean runtime runs the default)"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return False, "attention or MLP biases"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+        return False, "sliding-window attention"
+    if int(cfg.intermediate_size) % GATE_UP_BLOCK:
+        return False, f"an MLP width of {cfg.intermediate_size} (the lean runtime needs a multiple of {GATE_UP_BLOCK})"
+    if kernels is None:
+        return True, ""
+    if model_type != "llama" or next(model.parameters()).device.type != "cpu":
+        return False, f"the fused kernels run Llama models on a CPU (this target: {model_type})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False, f"the fused kernels run float32 or bf16, not {dtype}"
+    if dtype == torch.bfloat16 and not (kernels.bf16_ready() and amx_fits(cfg)):
+        return False, "the fused kernels run bf16 on AMX tiles or with AVX512-BF16, over multiples of 32 features"
+    return True, ""
+
+
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor  # [H] float32
@@ -357,15 +388,9 @@ class LeanModel:
 
     def __init__(self, model: Any, dtype: torch.dtype, kernels: Any = None, attention: str = "auto") -> None:
         cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise RuntimeUnsupported(f"model_type {cfg.model_type!r} (the lean runtime runs {', '.join(SUPPORTED)})")
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            raise RuntimeUnsupported(f"RoPE type {rope.get('rope_type')!r} (the lean runtime runs the default)")
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-            raise RuntimeUnsupported("attention or MLP biases")
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-            raise RuntimeUnsupported("sliding-window attention")
+        ok, why = lean_support(model, dtype, kernels=kernels)
+        if not ok:
+            raise RuntimeUnsupported(why)
         self.config = cfg
         self.dtype = dtype
         self.device = next(model.parameters()).device
@@ -378,13 +403,6 @@ class LeanModel:
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden // self.n_heads)
         self.eps = float(cfg.rms_norm_eps)
         self.n_layers = int(cfg.num_hidden_layers)
-        if kernels is not None and (cfg.model_type != "llama" or self.device.type != "cpu"):
-            raise RuntimeUnsupported("the fused kernels run Llama models on a CPU")
-        if kernels is not None and dtype == torch.bfloat16 and not (kernels.bf16_ready() and amx_fits(cfg)):
-            raise RuntimeUnsupported("the fused kernels run bf16 on AMX tiles or with AVX512-BF16, over multiples "
-                                     "of 32 features")
-        if kernels is not None and dtype not in (torch.float32, torch.bfloat16):
-            raise RuntimeUnsupported(f"the fused kernels run float32 or bf16, not {dtype}")
         self.kernels = kernels
         # the fused bf16 layer's attention products in bf16 (attend_bf16 in xpress/csrc/fused_cpu.cpp): on AMX
         # tiles or, without them, with AVX512-BF16; the kernels' `tiles` argument

@@ -1,4 +1,5 @@
 """Target models: loading, chat formatting with thinking off, and a forward pass that returns features.
+Owns the :class:`Target`, the choice of its runtime, dtype and kernels, and every forward of it.
 
 Three sources (``cfg.target.source``):
 
@@ -8,7 +9,8 @@ Three sources (``cfg.target.source``):
   safetensors under :func:`xpress.paths.cache_dir` so later loads take seconds.
 - ``hub``: a model-hub id (``Qwen/Qwen3-8B``) or a local folder in the same layout (relative paths: from the
   repository root). A folder under ``rehearsal/`` is a project-written stand-in (the ``qwen3-tiny`` preset),
-  written on first use by :func:`xpress.rehearsal.ensure_rehearsal_assets`.
+  written beforehand by ``python -m xpress rehearsal-assets`` (:mod:`xpress.rehearsal`; notebook 00 runs it)
+  and loaded like any other folder.
 - ``random``: a tiny, seeded, randomly initialised Llama with the embedded target's real tokenizer.
 
 Two runtimes compute the target's forward (``cfg.target.runtime``, :func:`choose_runtime`): the lean one of
@@ -299,13 +301,13 @@ def choose_runtime(tc: TargetConfig, model: Any) -> tuple[Any, dict[str, Any]]:
     on_cpu = torch.device(tc.device).type == "cpu"
     if planned_runtime(tc) == "transformers":
         return None, {**record, "frame_rows": tc.frame_rows}
-    kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, dtype, model)
-    try:
-        lean = rt.LeanModel(model, dtype, kernels=kernels, attention=tc.attention)
-    except rt.RuntimeUnsupported as e:
+    ok, why = rt.lean_support(model, dtype)  # the architecture first: the kernels are chosen for what runs
+    if not ok:
         if tc.runtime == "lean":
-            raise TargetError(f"target.runtime=lean cannot run this model ({e}); set target.runtime=transformers") from None
-        return None, {**record, "why_not_lean": str(e), "frame_rows": tc.frame_rows}
+            raise TargetError(f"target.runtime=lean cannot run this model ({why}); set target.runtime=transformers")
+        return None, {**record, "why_not_lean": why, "frame_rows": tc.frame_rows}
+    kernels, record["kernels"], record["kernels_reason"] = choose_kernels(tc, dtype, model)
+    lean = rt.LeanModel(model, dtype, kernels=kernels, attention=tc.attention)
     record["runtime"] = "lean"
     if on_cpu:
         check = rt.check_row_invariance(lean)
@@ -333,7 +335,7 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     where either runs) and says why it cannot; ``torch`` never builds them."""
     from . import kernels as kn
     from .cpu import bf16_units
-    from .runtime import amx_fits, cpu_features
+    from .runtime import cpu_features, lean_support
 
     if tc.kernels == "torch":
         return None, "torch", "target.kernels=torch"
@@ -353,8 +355,9 @@ def choose_kernels(tc: TargetConfig, dtype: torch.dtype, model: Any) -> tuple[An
     reason = kn.status()["reason"]
     if module is not None and dtype == torch.bfloat16 and not module.bf16_ready():
         module, reason = None, "bf16 products need AMX tiles or AVX512-BF16, which this CPU, kernel or build does not grant"
-    elif module is not None and dtype == torch.bfloat16 and not amx_fits(model.config):
-        module, reason = None, "bf16 products need the hidden, attention and MLP widths in multiples of 32"
+    elif module is not None:
+        ok, why = lean_support(model, dtype, kernels=module)
+        module, reason = (module, reason) if ok else (None, why)
     if module is None:
         if tc.kernels == "fused":
             raise TargetError(f"target.kernels=fused: the C++ kernels are not available ({reason}); "
@@ -375,18 +378,19 @@ def planned_runtime(tc: TargetConfig) -> str:
     return "lean" if tc.runtime == "lean" or (tc.runtime == "auto" and on_cpu) else "transformers"
 
 
-def hub_location(cfg: Config) -> tuple[str, bool]:
+def hub_location(cfg: Config) -> str:
     """Where a hub target is read from: a local folder in the Hugging Face layout (relative paths from the
-    repository root), else the hub id (the local cache, or a download); and whether it is a project-written
-    stand-in (qwen3-tiny's, :mod:`xpress.rehearsal`), which is written here first if missing."""
-    from .rehearsal import ensure_rehearsal_assets, is_rehearsal_path
-
+    repository root), else the hub id (the local cache, or a download). A project-written stand-in
+    (qwen3-tiny's, :func:`xpress.paths.is_rehearsal_path`) is read like any folder; a missing one is a
+    :class:`TargetError` naming the command that writes it."""
     model = cfg.target.model
-    rehearsal = is_rehearsal_path(model)
-    if rehearsal:
-        ensure_rehearsal_assets(cfg)
     local = paths.resolve(model)
-    return (str(local) if local.is_dir() else model), rehearsal
+    if local.is_dir():
+        return str(local)
+    if paths.is_rehearsal_path(model):
+        raise TargetError(f"the rehearsal target {model} is not written yet; run `python -m xpress rehearsal-assets "
+                          f"--preset {cfg.preset}` (notebook 00 runs it)")
+    return model
 
 
 def _load_target(cfg: Config) -> Target:
@@ -407,8 +411,8 @@ def _load_target(cfg: Config) -> Target:
         meta.update(gguf=str(locate_gguf(tc.gguf_package)), cache=str(folder),
                     package_version=md.version(tc.gguf_package))
     elif tc.source == "hub":
-        where, rehearsal = hub_location(cfg)
-        if rehearsal:  # a project-written stand-in (qwen3-tiny): written once, then loaded as hub
+        where = hub_location(cfg)
+        if paths.is_rehearsal_path(tc.model):  # a project-written stand-in (qwen3-tiny), loaded as any hub folder
             meta["rehearsal"] = True
         try:
             tokenizer = AutoTokenizer.from_pretrained(where)

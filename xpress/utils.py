@@ -304,6 +304,7 @@ def cpu_class(prov: dict, dtype: bool = True) -> str:
         return ""
     isa = ("AMX-BF16" if f.get("amx_bf16") else "AVX512-BF16" if f.get("avx512_bf16") else
            "AVX-512, no bf16" if f.get("avx512f") else "AVX2 only" if f.get("avx2") else "no AVX2")
+    isa += " (simulated: XPRESS_CPU_CLASS)" if f.get("simulated_class") else ""
     return isa + (f", {rt['dtype']}" if dtype and rt.get("dtype") else "") + (
         ", fused C++ layers" if dtype and rt.get("kernels") == "fused" else "") + (
         (", attention on AMX tiles" + (" emulated in software" if "emulated" in str(rt.get("attention")) else "")

@@ -7,7 +7,7 @@ captures). Nothing here times anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,9 +17,6 @@ from ..heads import MarkovHead, XPressRefiner, randomize_
 from ..jacobi import corrected_logits, jacobi_refine, prev_tokens, select, sequential_refine
 from ..vocab import DraftVocab
 from .shapes import Shapes
-
-if TYPE_CHECKING:
-    from .latency import LatencyConfig
 
 
 def _fill_random_(module: nn.Module, std: float, generator: torch.Generator) -> nn.Module:
@@ -80,8 +77,9 @@ def worst_case_(refiner: XPressRefiner, hidden_scale: float = 0.1) -> XPressRefi
     return refiner
 
 
-def build_block(shapes: Shapes, lc: LatencyConfig) -> Block:
-    """Random modules of ``shapes`` on ``lc.device`` in ``lc.dtype`` (see :class:`Block`)."""
+def build_block(shapes: Shapes, lc: Any) -> Block:
+    """Random modules of ``shapes`` on ``lc.device`` in ``lc.dtype`` (see :class:`Block`); ``lc``: the study's
+    :class:`xpress.studies.latency.LatencyConfig` (not imported: latency imports this module)."""
     dev, dtype, s = torch.device(lc.device), lc.torch_dtype, shapes
     g = torch.Generator().manual_seed(lc.seed)
     g_dev = torch.Generator(device=dev).manual_seed(lc.seed)

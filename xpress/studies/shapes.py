@@ -60,7 +60,7 @@ def hub_architecture(cfg) -> dict[str, int]:
 
     t = cfg.target
     try:
-        c = AutoConfig.from_pretrained(hub_location(cfg)[0])
+        c = AutoConfig.from_pretrained(hub_location(cfg))
     except OSError as e:
         raise ValueError(f"cannot read the architecture of target.model={t.model!r} ({str(e).splitlines()[0]}): "
                          f"download it first, or give a local folder in the Hugging Face layout") from None

@@ -14,7 +14,9 @@ forward's own shapes and weights:
 
 Where the fused C++ kernels build (:mod:`xpress.kernels`), the lean forward with each layer one C++ call is
 timed too (runtime ``lean-fused``; ``forward`` only, its layer is one call that cannot be split): in float32,
-and in bfloat16 where its products run on AMX tiles.
+and in bfloat16 where its products run on AMX tiles. Each runtime is first asked of
+:func:`xpress.runtime.lean_support`; what the target cannot run (the fused layer of a Qwen3 target) is listed
+in the file's ``skipped`` with the reason.
 
 Everything is timed in one process with interleaved sweeps (:func:`xpress.timing.time_calls`). The
 ratio ``forward(n) / forward(1)`` at a context is the break-even tau of an n-token verify with free
@@ -147,7 +149,7 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
     import sys
 
     from ..config import load_config
-    from ..runtime import LeanModel, amx_fits, native_bf16
+    from ..runtime import LeanModel, lean_support, native_bf16
     from ..targets import load_target
     from ..utils import load_average, load_check, other_cpu_use, provenance, write_result
 
@@ -157,7 +159,12 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
     dtypes = list(dtypes or (["float32"] + (["bfloat16"] if native_bf16() else [])))
     fns: dict[str, Callable[[], Any]] = {}
     keys: dict[str, tuple] = {}
+    skipped: list[dict[str, str]] = []  # the runtimes this target or machine cannot run, and why (lean_support)
     for dt in dtypes:
+        ok, why = lean_support(target.model, getattr(torch, dt))
+        if not ok:
+            skipped.append({"runtime": "lean", "dtype": dt, "reason": why})
+            continue
         lean = LeanModel(target.model, getattr(torch, dt))
         for L in contexts:
             for n in new_tokens:
@@ -165,10 +172,14 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
                     name = f"lean {dt} L={L} n={n} {comp}"
                     fns[name], keys[name] = fn, ("lean", dt, L, n, comp)
     from ..kernels import fused_cpu
+    from ..kernels import status as kernel_status
 
     fused = fused_cpu()
     for dt in dtypes:  # float32 on any AVX2 CPU, bf16 where the AMX tiles run
-        if fused is None or (dt == "bfloat16" and not (fused.bf16_ready() and amx_fits(target.model.config))):
+        ok, why = (False, f"the fused kernels are not available ({kernel_status().get('reason', '')})") \
+            if fused is None else lean_support(target.model, getattr(torch, dt), kernels=fused)
+        if not ok:
+            skipped.append({"runtime": "lean-fused", "dtype": dt, "reason": why})
             continue
         lean = LeanModel(target.model, getattr(torch, dt), kernels=fused)
         for L in contexts:
@@ -190,6 +201,8 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
         rows.append({"runtime": rt, "dtype": dt, "context": L, "new_tokens": n, "component": comp,
                      "median_ms": t["median_ms"], "q1_ms": t["q1_ms"], "q3_ms": t["q3_ms"], "repeats": t["repeats"]})
     for dt in dtypes:  # other = forward - the timed components
+        if any(s["runtime"] == "lean" and s["dtype"] == dt for s in skipped):
+            continue
         for L in contexts:
             for n in new_tokens:
                 parts = {r["component"]: r["median_ms"] for r in rows
@@ -205,7 +218,7 @@ def run_target_cost(preset: str = "cpu", contexts: Sequence[int] = CONTEXTS, new
         "preset": preset, "target": target.name, "contexts": list(contexts), "new_tokens": list(new_tokens),
         "dtypes": dtypes, "repeats": repeats, "components": list(COMPONENTS),
         "order": "interleaved sweeps over every (runtime, dtype, L, n, component), order rotated each sweep",
-        "break_even": break_even(rows, block), "rows": rows,
+        "skipped": skipped, "break_even": break_even(rows, block), "rows": rows,
         "load_warning": load["load_warning"],
         "provenance": provenance(preset, **load),
     }
