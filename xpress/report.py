@@ -382,7 +382,7 @@ def _gpu_section(folder: Path) -> list[str]:
     exact = _load(folder.parent / "h200", "oracle_ceiling.json")
     if exact:
         c, frames = exact["compare"], exact["runtime"].get("frame_rows")
-        out.append(f"- lossless on the GPU (`results/h200/oracle_ceiling.json`, `bash scripts/device_check.sh`; "
+        out.append(f"- lossless on the GPU (`results/h200/oracle_ceiling.json`, `python -m xpress bench oracle-ceiling target.device=cuda --preset qwen3-tiny`; "
                    f"{_where(exact['provenance'], rev=True)}): the {exact['preset']} stand-in target in {exact['runtime']['dtype']}, "
                    f"transformers forward{f' on {frames}-position frames' if frames else ''}: "
                    f"{exact['n_prompts'] - len(exact['mismatched_prompts'])} of {exact['n_prompts']} prompts equal to greedy "
