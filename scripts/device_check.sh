@@ -147,7 +147,7 @@ run_step() {  # run_step NAME FUNCTION: FUNCTION under NAME's limit, its output 
 train_memory() {
   if [ "$DRY" = 1 ]; then
     $PY -m xpress bench train-memory target.device=cpu train.batch_size=1 train.max_len=256 train.anchors_per_seq=4 \
-      --preset qwen3-8b --shrink --width-divisor 64 --layers 1 --methods dflash,markov,xpress --out-dir "$RES"
+      --preset qwen3-8b --shrink --width-divisor 64 --layers 8 --methods dflash,markov,xpress --out-dir "$RES"
   else
     $PY -m xpress bench train-memory target.device=cuda --preset qwen3-8b --layers 2 --methods dflash,markov,xpress \
       --out-dir "$RES"
@@ -165,7 +165,7 @@ train_2rank() {  # regenerate a few answers on 2 ranks, then 2 training steps of
 
 compiled_eager() {
   if [ "$DRY" = 1 ]; then
-    $PY -m xpress bench compiled-eager --preset qwen3-tiny --methods ar,xpress --n-prompts 1 --max-new-tokens 8 \
+    $PY -m xpress bench compiled-eager target.runtime=transformers decode.compile_backend=eager --preset qwen3-tiny --methods ar,xpress --n-prompts 1 --max-new-tokens 8 \
       --frame-rows 0,64 --out-dir "$RES"
   else
     $PY -m xpress bench compiled-eager target.device=cuda --preset qwen3-tiny --methods ar,dflash,markov,xpress \

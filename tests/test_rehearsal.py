@@ -23,6 +23,7 @@ from xpress.targets import format_chat, load_target
 # Every other key (dtype, runtime, source, methods, B, K, ranks, lr, schedule, loss weights, gamma,
 # warm_start_steps 0, cache_features false, refiner_only, temperatures, ...) must be equal.
 SIZE_KEYS = {
+    "decode.static_cache_len": "the compiled harness's static cache, sized to the preset's contexts",
     "preset": "the preset's name",
     "target.model": "identifier: the written stand-in folder instead of the hub id",
     "target.device": "placement: cpu instead of cuda (the dtype policy, auto, is the same)",

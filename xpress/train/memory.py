@@ -236,7 +236,16 @@ def random_target(cfg: Config, t: Dims, device: str, dtype):
 
 # ------------------------------------------------------------------------------------------ one step
 def rss_bytes() -> int:
-    """This process's peak resident set so far (``ru_maxrss``, KiB on Linux) in bytes."""
+    """This process's peak resident set so far in bytes: ``VmHWM`` of /proc/self/status where Linux has it (its
+    own address space's high-water mark; ``ru_maxrss`` survives exec, so a process started by a large parent
+    would report the parent's peak), else ``ru_maxrss`` (KiB on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -286,7 +295,7 @@ def one_step(cfg: Config, method: str, t: Dims, seed: int = 0) -> dict[str, Any]
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else rss_bytes()
     return {"method": method, "device": device, "peak_bytes": int(peak), "baseline_bytes": int(baseline),
-            "peak_measure": "torch.cuda.max_memory_allocated" if cuda else "ru_maxrss of this fresh process",
+            "peak_measure": "torch.cuda.max_memory_allocated" if cuda else "VmHWM (resident-set high-water mark) of this fresh process",
             "step_seconds": seconds, "loss": logs["loss"], "grad_norm": float(grad_norm),
             "target_dtype": str(dtype).removeprefix("torch."), "mixed_precision": accelerator.mixed_precision}
 
@@ -399,7 +408,7 @@ def _record(preset: str, per: dict, shapes: dict[str, Any], overrides: Sequence[
     return {"preset": preset, "complete": done, "methods": per, "shapes": shapes,
             "resumed": "a method with measured_by was measured by that earlier run of the same shapes; its "
                        "predictions are this run's",
-            "peak": ("CPU: the resident-set maximum (ru_maxrss) of the fresh process that ran the step, nothing "
+            "peak": ("CPU: the resident-set high-water mark (VmHWM) of the fresh process that ran the step, nothing "
                        "subtracted; its baseline (Python, torch, transformers, accelerate and xpress imported, before "
                        "the step) is measured in that process and is part of the prediction. CUDA: "
                        "torch.cuda.max_memory_allocated over the step (tensors only; baseline 0)"),
