@@ -373,7 +373,7 @@ def measured_dir(gpu: GPU | str = DEFAULT_GPU) -> Path:
 
 def _read_json(path: Path, notes: list[str], shown: str) -> dict[str, Any] | None:
     if not path.is_file():
-        notes.append(f"no {path.name} in {path.parent.name}/")
+        notes.append(f"{shown}: not found")
         return None
     try:
         payload = json.loads(path.read_text())
