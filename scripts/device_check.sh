@@ -164,6 +164,7 @@ train_2rank() {  # regenerate a few answers on 2 ranks, then 2 training steps of
 }
 
 compiled_eager() {
+  $PY -m xpress rehearsal-assets --preset qwen3-tiny || return 1  # the stand-ins (written once, then kept)
   if [ "$DRY" = 1 ]; then
     $PY -m xpress bench compiled-eager target.runtime=transformers decode.compile_backend=eager --preset qwen3-tiny --methods ar,xpress --n-prompts 1 --max-new-tokens 8 \
       --frame-rows 0,64 --out-dir "$RES"
