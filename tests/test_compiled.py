@@ -209,3 +209,14 @@ def test_bench_compiled_eager_refuses_the_lean_runtime(tmp_path):
 
     with pytest.raises(DecodeInputError, match="target.runtime=transformers"):
         run("smoke", ["ar"], 1, 4, tmp_path)
+
+
+def test_bench_compiled_eager_names_a_static_cache_too_small_in_one_line(tmp_path, capsys):
+    from xpress.__main__ import main
+
+    rc = main(["bench", "compiled-eager", "--preset", "smoke", *TRANSFORMERS, "decode.compile_backend=eager",
+               "--methods", "ar", "--n-prompts", "1", "--max-new-tokens", "5", "--frame-rows", "0",
+               "--benchmarks", "gsm8k", "--out-dir", str(tmp_path), "--no-progress", "decode.static_cache_len=12"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: ") and "decode.static_cache_len" in err and "\n" not in err
+    assert not (tmp_path / "compiled_eager.json").exists()

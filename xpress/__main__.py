@@ -57,6 +57,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     """Decode, write one JSON line per prompt; exit 2 with a message on bad input or a missing or unusable
     checkpoint, 130 on Ctrl-C (finished prompts kept; the same command resumes)."""
     from .bench import DecodeInputError, DecodeInterrupted, decode_main
+    from .compiled import CompiledError
     from .drafter import DrafterMismatchError
     from .targets import ContextTooLongError, TargetError
 
@@ -66,7 +67,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                               max_new_tokens=args.max_new_tokens, limit=args.limit,
                               overrides=args.overrides, checkpoint=args.checkpoint,
                               progress=not args.no_progress)
-    except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError, DrafterMismatchError) as e:
+    except (DecodeInputError, ContextTooLongError, TargetError, FileNotFoundError, DrafterMismatchError,
+            CompiledError) as e:
         # FileNotFoundError: CheckpointNotFoundError, whose message says how to train the drafter;
         # DrafterMismatchError: a checkpoint for another target, block size or method, or an unreadable one
         # (proposer.CheckpointUnreadableError); the message names the problem and the fix
@@ -214,12 +216,13 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import DecodeInputError, run
+    from .compiled import CompiledError
     from .data import DataError
     from .targets import TargetError
 
     try:
         return run(args)
-    except (TargetError, DataError, DecodeInputError) as e:
+    except (TargetError, DataError, DecodeInputError, CompiledError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
