@@ -57,7 +57,7 @@ studies: setup
 		--from-warm-start --decode-prompts 48 $(HEAD_LEVERS) || exit 1; done
 	for m in $(HEAD_METHODS); do for n in $(HEAD_STEPS); do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) \
 		--method $$m --from-warm-start --decode-prompts 48 --steps $$n base || exit 1; done; done
-	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) --draft-tokens 1,2,3,4,5,6,0 eval.repeats=2
+	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) --draft-tokens 1,2,3,4,5,6,0,auto eval.repeats=2
 	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
 	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)

@@ -222,3 +222,59 @@ def test_sample_draws_each_row_from_its_distribution():
         assert chisquare(obs[p > 0], wrong[p > 0] * len(draws)).pvalue < 1e-6
     a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     assert torch.equal(decoding.sample(probs, a), decoding.sample(probs, b))
+
+
+# ------------------------------------------------------------- a verify length chosen per row (auto)
+class ChainQDrafter(FixedQDrafter):
+    """Drafts position 1 from q_1 and position j + 1 from ``Q[x_j]`` (a distribution per previous token) and
+    offers each row the prefix :func:`xpress.verify_length.draft_lengths` chooses from each position's largest
+    probability (what ``decode.draft_tokens=auto`` reads)."""
+
+    def __init__(self, block_size: int, seed: int = 0) -> None:
+        super().__init__(block_size, seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 100)
+            self.table = torch.distributions.Dirichlet(torch.full((V,), 0.3)).sample((V,)).float()  # [V, V]
+        self.lengths_seen: set[int] = set()
+
+    def propose(self, anchor, anchor_pos, temperature, generator=None):
+        from xpress.verify_length import VerifyCosts, draft_lengths
+
+        b, n = anchor.shape[0], self.block_size - 1
+        q = torch.empty(b, n, V)
+        tokens = torch.empty(b, n, dtype=torch.long)
+        q[:, 0] = self.q[0]
+        for j in range(n):
+            if j:
+                q[:, j] = self.table[tokens[:, j - 1]]
+            tokens[:, j] = torch.multinomial(q[:, j], 1, generator=generator)[:, 0]
+        costs = VerifyCosts(0.0, tuple(1.0 + 0.1 * i for i in range(self.block_size)))  # a row costs 0.1 more
+        lengths = draft_lengths(q.amax(-1), costs)
+        self.lengths_seen |= set(lengths.tolist())
+        return Draft(tokens=tokens, q=q, lengths=lengths)
+
+
+class PeekingDrafter(FixedQDrafter):
+    """The mistake the rule avoids: it offers its drafts only when the token drawn at position 1 is q_1's
+    most likely one (a length that reads the drawn token itself), else none."""
+
+    def propose(self, anchor, anchor_pos, temperature, generator=None):
+        draft = super().propose(anchor, anchor_pos, temperature, generator)
+        draft.lengths = torch.where(draft.tokens[:, 0] == self.q[0].argmax(), self.block_size - 1, 0)
+        return draft
+
+
+def test_a_verify_length_chosen_per_row_from_each_positions_distribution_is_lossless(micro, exact):
+    g = torch.Generator().manual_seed(3)
+    drafter = ChainQDrafter(4, seed=3)
+    gens = generate_speculative_batch(micro, drafter, [PROMPT] * N, N_TOKENS, TEMPERATURE, generator=g)
+    assert drafter.lengths_seen == {1, 2, 3}, "every length should be chosen for some rows"
+    assert _gof_pvalue(_joint_counts([x.token_ids for x in gens]), exact) > 1e-3
+
+
+def test_a_verify_length_that_reads_the_drawn_token_is_detected(micro, exact):
+    """The test above can fail: offering drafts only when a drawn token is likely biases the output."""
+    g = torch.Generator().manual_seed(3)
+    gens = generate_speculative_batch(micro, PeekingDrafter(4, seed=3), [PROMPT] * N, N_TOKENS, TEMPERATURE,
+                                      generator=g)
+    assert _gof_pvalue(_joint_counts([x.token_ids for x in gens]), exact) < 1e-6

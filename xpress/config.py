@@ -23,6 +23,8 @@ import yaml
 
 from . import paths
 
+AUTO = "auto"  # decode.draft_tokens: the verify length chosen per round (xpress.verify_length)
+
 PRESET_ENV = "XPRESS_PRESET"
 
 
@@ -175,8 +177,9 @@ class DecodeConfig:
     batch_size: int = 1
     # drafted tokens a speculative round verifies: the first k of the drafter's B - 1 (0 = all of them). A
     # verify of k + 1 rows costs less than one of B rows where the target's forward is compute-bound (a CPU);
-    # tau then counts at most k + 1 tokens a round (studies.draft_length measures the trade)
-    draft_tokens: int = 0
+    # tau then counts at most k + 1 tokens a round (studies.draft_length measures the trade). auto: k chosen
+    # each round from the refined block's confidence and the measured cost of a k-row verify (xpress.verify_length)
+    draft_tokens: int | str = 0
     # the compiled harness (xpress.compiled; docs/gpu.md "The compiled Table 1 harness"): the transformers
     # target's forward on a static KV cache of static_cache_len columns, torch.compile'd for its fixed shapes
     # (1-row steps, verify blocks, frames; CUDA graphs on CUDA), the drafter and the refiner's fixed-K rollout
@@ -294,9 +297,7 @@ class Config:
         _check(self.decode.static_cache_len > self.drafter.block_size + max(self.target.frame_rows, 1),
                "decode.static_cache_len must exceed drafter.block_size + target.frame_rows (prompt + generation "
                "+ one verify block)")
-        _check(0 <= self.decode.draft_tokens < self.drafter.block_size,
-               f"decode.draft_tokens={self.decode.draft_tokens} must lie in [0, {self.drafter.block_size - 1}] "
-               f"(drafter.block_size - 1 drafted tokens; 0 = all)")
+        self.decode.draft_tokens = parse_draft_tokens(self.decode.draft_tokens, self.drafter.block_size)
         _check(self.data.limit >= 0 and self.data.n_train_prompts >= 0 and self.data.n_val_prompts >= 0,
                "data sizes must be >= 0")
         _check(self.data.regen_batch_size >= 1 and self.data.regen_shard_size >= 1,
@@ -339,6 +340,22 @@ class Config:
         _check(self.train.loss_kernel in {"auto", "torch"},
                f"train.loss_kernel={self.train.loss_kernel!r}: use auto (the C++ loss where it builds) or torch")
         return self
+
+
+def parse_draft_tokens(value: Any, block_size: int) -> int | str:
+    """``decode.draft_tokens`` as given (YAML or ``key=value``): an int in [0, B - 1] (0 = all) or ``auto``;
+    raises ConfigError naming the fix otherwise."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < block_size:
+        raise ConfigError(f"decode.draft_tokens={value!r} must be auto or lie in [0, {block_size - 1}] "
+                          f"(drafter.block_size - 1 drafted tokens; 0 = all)")
+    return value
+
+
+def verified_rows(draft_tokens: int | str, block_size: int) -> int:
+    """The most rows a verify takes: ``k + 1``, or the whole block for 0 and ``auto``."""
+    return (block_size - 1 if draft_tokens in (0, AUTO) else int(draft_tokens)) + 1
 
 
 def _check(ok: bool, message: str) -> None:

@@ -78,15 +78,25 @@ def choose_token(logits: torch.Tensor, temperature: float,
     return sample(target_probs(logits, temperature), generator)
 
 
-def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _offered(accepted: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """``accepted`` [b, n] bool with the positions past each row's ``lengths`` [b] (None: none) set False."""
+    if lengths is None:
+        return accepted
+    return accepted & (torch.arange(accepted.shape[1], device=accepted.device) < lengths[:, None])
+
+
+def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept the longest prefix of ``draft`` equal to the target's argmax.
 
     draft [b, n] int64; target_logits [b, n + 1, V] (position k scores the token after block position k,
-    i.e. row 0 scores d_1 and row n the bonus). Returns ``n_accepted`` [b] in 0..n and ``next_token`` [b]:
-    the target's argmax after the accepted prefix (the correction, or the bonus when all are accepted).
+    i.e. row 0 scores d_1 and row n the bonus); ``lengths`` [b] (optional): row i offers only its first
+    ``lengths[i]`` drafts (:class:`xpress.protocol.Draft`). Returns ``n_accepted`` [b] in 0..n and
+    ``next_token`` [b]: the target's argmax after the accepted prefix (the correction, or the bonus when all
+    offered drafts are accepted).
     """
     best = argmax_last(target_logits)  # [b, n + 1]
-    n_acc = (draft == best[:, :-1]).long().cumprod(-1).sum(-1)
+    n_acc = _offered(draft == best[:, :-1], lengths).long().cumprod(-1).sum(-1)
     return n_acc, best.gather(1, n_acc[:, None]).squeeze(1)
 
 
@@ -103,15 +113,16 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def rejection_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
                      generator: torch.Generator | None = None,
                      residual: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al. / Chen et al.).
 
     draft [b, n] int64 drawn from q [b, n, V]; p [b, n + 1, V] the target's distributions (softmax of
     logits / T) at the same positions plus the bonus position. d_k is accepted with probability
     ``min(1, p_k(d_k) / q_k(d_k))``; at the first rejection the replacement is drawn from
     ``residual(p_k, q_k)`` (default :func:`residual_distribution`, looked up at call time so a test can
-    swap it); if all n are accepted the bonus is drawn from ``p_n``. Returns ``n_accepted`` [b] and
-    ``next_token`` [b].
+    swap it); if all n are accepted the bonus is drawn from ``p_n``. ``lengths`` [b] (optional): row i offers
+    only its first ``lengths[i]`` drafts, and after accepting them all its next token is drawn from ``p``
+    there. Returns ``n_accepted`` [b] and ``next_token`` [b].
     """
     residual = residual or residual_distribution
     b, n = draft.shape
@@ -120,10 +131,10 @@ def rejection_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     q_d = q.gather(-1, idx).squeeze(-1).to(p_d.dtype)
     u = torch.rand(b, n, generator=generator, device=p.device)
     accept = u * q_d < p_d  # u < p/q without dividing; q_d == 0 (impossible draw) accepts iff p_d > 0
-    n_acc = accept.long().cumprod(-1).sum(-1)
+    n_acc = _offered(accept, lengths).long().cumprod(-1).sum(-1)
     rows = torch.arange(b, device=p.device)
     p_next = p[rows, n_acc]  # [b, V]
-    rejected = n_acc < n
+    rejected = n_acc < (n if lengths is None else lengths)
     # after a rejection at k = n_acc: residual(p_k, q_k); after n acceptances: residual(p_n, 0) = p_n
     q_next = q[rows, n_acc.clamp_max(n - 1)].to(p.dtype) * rejected[:, None] if n else torch.zeros_like(p_next)
     return n_acc, sample(residual(p_next, q_next), generator)
@@ -516,13 +527,13 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
             positions = anchor_pos[:, None] + arange_B
             out = target_forward(target, block, kv.cache, positions, kv.attention_mask(B))
             if temperature == 0:
-                n_acc, nxt = greedy_accept(draft.tokens, out.logits)
+                n_acc, nxt = greedy_accept(draft.tokens, out.logits, draft.lengths)
             elif draft.q is None:
                 raise ValueError(f"{type(drafter).__name__}.propose returned no q at temperature "
                                  f"{temperature}; lossless rejection sampling needs it")
             else:
                 n_acc, nxt = rejection_accept(draft.tokens, draft.q, target_probs(out.logits, temperature),
-                                              generator)
+                                              generator, lengths=draft.lengths)
         with sw("bookkeeping"):
             proposed = torch.cat([draft.tokens, nxt[:, None]], dim=1).scatter_(1, n_acc[:, None], nxt[:, None])
             count, stopped = _commit(proposed, n_acc + 1, stops, remaining)

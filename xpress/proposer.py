@@ -25,9 +25,11 @@ from . import paths
 from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
 from .heads import FoldedRefiner, MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, jacobi_refine_one,
-                     jacobi_rollout, select, sequential_refine)
+                     jacobi_rollout, prev_tokens, select, sequential_refine)
 from .protocol import Draft
 from .utils import atomic_dir, atomic_save_safetensors, atomic_write_json, stage_clock
+from .config import AUTO, parse_draft_tokens
+from .verify_length import VerifyCosts, calibrate, draft_lengths
 from .vocab import DraftVocab
 
 __all__ = ["METHODS", "CheckpointNotFoundError", "CheckpointUnreadableError", "DrafterMismatchError", "ModelDrafter",
@@ -57,7 +59,9 @@ class ModelDrafter:
     checkpoint) or ``"untrained"`` (fresh), as reported by :func:`xpress.methods.drafter_weights`.
     ``draft_tokens``: k, how many of the B - 1 drafted tokens :meth:`propose` returns (the first k; 0 = all;
     ``cfg.decode.draft_tokens``). The block is drafted whole and refined only as far as its first k positions
-    need (both heads are causal), so the k tokens and their ``q`` are those of the full draft.
+    need (both heads are causal), so the k tokens and their ``q`` are those of the full draft. ``"auto"``:
+    the whole block is refined and k is chosen per round from its confidence and ``verify_costs``
+    (:mod:`xpress.verify_length`; set by :func:`build_drafter` / :func:`new_drafter` from a calibration).
     """
 
     def __init__(self, drafter: DFlashDraftModel, head: XPressRefiner | MarkovHead | None, vocab: DraftVocab,
@@ -78,9 +82,9 @@ class ModelDrafter:
         self.drafter, self.head, self.vocab = drafter, head, vocab
         self.method, self.max_iters, self.refine, self.weights = method, max_iters, refine, weights
         self.block_size = drafter.block_size
-        if not 0 <= draft_tokens < self.block_size:
-            raise ValueError(f"draft_tokens={draft_tokens} must lie in [0, {self.block_size - 1}] (0 = all)")
-        self.draft_tokens = draft_tokens or self.block_size - 1
+        self.auto = parse_draft_tokens(draft_tokens, self.block_size) == AUTO
+        self.draft_tokens = self.block_size - 1 if self.auto else (draft_tokens or self.block_size - 1)
+        self.verify_costs: VerifyCosts | None = None  # auto: what a round costs (verify_length.calibrate)
         self.fingerprint: str | None = None  # checkpoint_fingerprint() of the folder it was loaded from
         self.context: ContextCache | None = None  # set by reset()
         self.compiled_refine = None  # compile(): the fixed-pass rollout, torch.compile'd
@@ -130,10 +134,36 @@ class ModelDrafter:
             base = self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)  # [b, k, Vd]: the k returned
         with sw("refine"):
             result = self.refine_block(h, base, anchor, temperature, generator)
+            stats = {"iters": result.iters}
+            if self.auto:  # the verify length from the refined block's confidence: its first k tokens
+                if self.verify_costs is None:
+                    raise RuntimeError("decode.draft_tokens=auto needs verify_costs (xpress.verify_length.calibrate)")
+                lengths = draft_lengths(self.confidence(h, base, anchor, result), self.verify_costs)  # [b]
+                k = int(lengths.max())
+                result = RefineResult(result.tokens[:, :k], None if result.q is None else result.q[:, :k],
+                                      result.iters)
+                stats["draft_k"] = lengths
         with sw("draft"):
             tokens = self.vocab.to_target(result.tokens)
             q = None if result.q is None else self.vocab.to_target_probs(result.q)
-        return Draft(tokens=tokens, q=q, timings=sw.pop(), stats={"iters": result.iters})
+        ragged = self.auto and bool((lengths < k).any())  # rows that verify fewer than the block's k drafts
+        return Draft(tokens=tokens, q=q, timings=sw.pop(), stats=stats, lengths=lengths if ragged else None)
+
+    def confidence(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
+                   result: RefineResult) -> torch.Tensor:
+        """[b, P] the largest probability of the refined distribution at each position (draft ids
+        ``result.tokens`` [b, P]): of ``q`` where the tokens were drawn from it (T > 0), else of the refined
+        logits' softmax at temperature 1 (the base logits for dflash; base + the head's correction given the
+        drafted prefix), which at T = 0 is the drafted token's. Position i's value depends on the tokens before
+        it only (both heads are causal): what keeps the chosen length lossless (xpress.verify_length)."""
+        if result.q is not None:
+            return result.q.amax(-1)
+        logits = base
+        if self.method != "dflash":
+            tokens = result.tokens
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            logits = corrected_logits(base, self.head.fold(h))(prev_tokens(anchor, tokens, self.vocab), rows)
+        return torch.softmax(logits.float(), dim=-1).amax(-1)
 
     def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
                      generator: torch.Generator | None = None) -> RefineResult:
@@ -226,7 +256,16 @@ def new_drafter(method: str, cfg, target, vocab: DraftVocab | None = None, seed:
         torch.manual_seed(seed)
         net = DFlashDraftModel.from_target(target, cfg)
         head = new_head(method, cfg, net, vocab)
-    return ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, draft_tokens=cfg.decode.draft_tokens)
+    return with_verify_costs(ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine,
+                                          draft_tokens=cfg.decode.draft_tokens), target)
+
+
+def with_verify_costs(drafter: ModelDrafter, target) -> ModelDrafter:
+    """``drafter`` with its :class:`VerifyCosts` measured on ``target`` when it chooses its verify length
+    (``decode.draft_tokens=auto``); unchanged otherwise."""
+    if drafter.auto and drafter.verify_costs is None:
+        drafter.verify_costs = calibrate(target, drafter)
+    return drafter
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -362,7 +401,7 @@ def load_drafter(folder: str | os.PathLike, method: str, cfg, target, refine: st
     drafter = ModelDrafter(net, head, vocab, method, cfg.head.max_iters, refine, weights="trained",
                            draft_tokens=cfg.decode.draft_tokens)
     drafter.fingerprint = checkpoint_fingerprint(folder)
-    return drafter
+    return with_verify_costs(drafter, target)
 
 
 def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None = None,
@@ -378,8 +417,9 @@ def build_drafter(method: str, cfg, target, checkpoint: str | os.PathLike | None
     if method == "dflash" and cfg.drafter.checkpoint and not checkpoint:
         net = DFlashDraftModel.from_pretrained(cfg.drafter.checkpoint, target=target)
         check_block_size(net, cfg, cfg.drafter.checkpoint)
-        return ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method, cfg.head.max_iters, refine,
-                            weights="trained", draft_tokens=cfg.decode.draft_tokens)
+        return with_verify_costs(ModelDrafter(net, None, DraftVocab.full(target.vocab_size), method,
+                                              cfg.head.max_iters, refine, weights="trained",
+                                              draft_tokens=cfg.decode.draft_tokens), target)
     hint = (", or set drafter.checkpoint to a released dFlash checkpoint (hub id or folder, e.g. "
             "z-lab/Qwen3-8B-DFlash-b16 for Qwen3-8B)" if method == "dflash" else "")
     raise CheckpointNotFoundError(f"no {method} checkpoint at {folder}: {train_hint(cfg.preset, method)}{hint}")

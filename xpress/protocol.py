@@ -33,12 +33,16 @@ class Draft:
     timings: seconds spent, by stage: ``draft`` (drafter forward + base readout) and ``refine``
              (correction head / Jacobi iterations).
     stats:   anything per round worth recording, e.g. ``{"iters": [b] int64}`` Jacobi passes used.
+    lengths: [b] int64, how many of the ``tokens`` each row offers for verification (a prefix; the rest
+             are ignored), or ``None``: all of them. Whether row i offers its token j + 1 may depend on its
+             tokens up to j, never on token j + 1 itself (``decode.draft_tokens=auto``; xpress.verify_length).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    lengths: torch.Tensor | None = None
 
 
 @runtime_checkable

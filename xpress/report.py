@@ -62,8 +62,10 @@ def _table1_section(t1: dict) -> list[str]:
            f"tau and speedup over AR per benchmark, batch 1, {t1['prompts_per_benchmark']} prompts x "
            f"{t1['max_new_tokens']} new tokens per benchmark, "
            + ("" if "draft_tokens" not in t1 else
-              f"block size {t1['block_size']}, each round verifying the anchor and {t1['draft_tokens']} drafted tokens "
-              f"(`decode.draft_tokens`), ")
+              f"block size {t1['block_size']}, each round verifying the anchor and "
+              + (f"{t1['draft_tokens']} drafted tokens " if t1["draft_tokens"] != "auto" else
+                 "a number of drafted tokens chosen per round from the refined confidence ")
+              + "(`decode.draft_tokens`), ")
            + f"AR and the methods interleaved per prompt; T = 0: median "
            f"of {t1['repeats']} timed passes (speedup range in brackets), every output equal to AR's: {t1['lossless_t0']}; "
            f"T > 0: mean over seeds {seeds} (tau +- sd); drafters {', '.join(f'{m} {w}' for m, w in t1['weights'].items() if m != 'ar')}; "
@@ -812,7 +814,7 @@ def _finding(t1: dict, ratios: dict, cells: dict, methods: list[str], lat: dict 
     verify = (f"a verify of {t1['draft_tokens'] + 1} tokens costs {min(c['verify_ratio'] for c in costs):.2f}-"
               f"{max(c['verify_ratio'] for c in costs):.2f} one-token steps on this CPU, where the paper counts a verify as "
               f"about one step on a GPU, so the break-even tau is {min(c['break_even_tau'] for c in costs):.2f}-"
-              f"{max(c['break_even_tau'] for c in costs):.2f}" if costs and "draft_tokens" in t1 else "")
+              f"{max(c['break_even_tau'] for c in costs):.2f}" if costs and isinstance(t1.get("draft_tokens"), int) else "")
     parts.append(f"every method runs at {min(speeds):.2f}-{max(speeds):.2f}x AR at T = 0 (the paper: "
                  f"{min(p0[m]['speedup'] for m in methods):.1f}-{max(p0[m]['speedup'] for m in methods):.1f}x), "
                  f"because the drafters of {t1.get('target', 'this target')}, trained for {train_s / 60:.0f} minutes on "

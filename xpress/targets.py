@@ -45,7 +45,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from . import paths
-from .config import Config, TargetConfig
+from .config import AUTO, Config, TargetConfig, verified_rows
 from .distributed import local_device
 from .utils import apply_torch_threads, atomic_dir
 
@@ -460,8 +460,8 @@ def compiled_forward(cfg: Config, model: Any) -> Any:
     (``decode.draft_tokens`` + 1 rows, or ``drafter.block_size``) and ``target.frame_rows``."""
     from .compiled import CompiledForward
 
-    verify = (cfg.decode.draft_tokens or cfg.drafter.block_size - 1) + 1
-    rows = {1, verify} | ({cfg.target.frame_rows} if cfg.target.frame_rows else set())
+    verify = verified_rows(cfg.decode.draft_tokens, cfg.drafter.block_size)
+    rows = set(range(1, verify + 1)) if cfg.decode.draft_tokens == AUTO else {1, verify} | ({cfg.target.frame_rows} if cfg.target.frame_rows else set())
     return CompiledForward(model, cfg.decode.static_cache_len, rows, cfg.decode.compile_backend)
 
 

@@ -112,14 +112,17 @@ def generation_row(g, seconds: float) -> dict[str, Any]:
     """The numbers of one :class:`~xpress.decoding.Generation` that the tables use: tokens, target steps
     (tau = tokens / steps), wall ``seconds`` of the call, seconds per stage summed over its timed steps
     (AR: ``forward``, ``bookkeeping``; speculative: ``draft``, ``refine``, ``verify``, ``bookkeeping``),
-    ``timed_steps`` (steps with a stage record: AR's first token comes out of the prefill) and the mean
-    Jacobi iterations where the drafter reports them."""
+    ``timed_steps`` (steps with a stage record: AR's first token comes out of the prefill), the mean
+    Jacobi iterations where the drafter reports them and, for ``decode.draft_tokens=auto``, the mean drafts
+    a round verified (``mean_draft_k``)."""
     stages = g.stage_totals()
     iters = _flat(g.stats.get("iters", []))
+    ks = _flat(g.stats.get("draft_k", []))  # decode.draft_tokens=auto: the drafts each round verified
     return {"tokens": len(g.token_ids), "steps": g.n_steps, "seconds": seconds, "prefill_s": g.prefill_s,
             **{f"{k}_s": stages.get(k, 0.0) for k in ("forward", "draft", "refine", "verify", "bookkeeping")},
             "timed_steps": len(next(iter(g.step_times.values()), [])),
-            "mean_iters": sum(iters) / len(iters) if iters else None}
+            "mean_iters": sum(iters) / len(iters) if iters else None,
+            **({"mean_draft_k": sum(ks) / len(ks)} if ks else {})}
 
 
 def prompt_generator(device, seed: int, index: int):

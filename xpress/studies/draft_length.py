@@ -1,6 +1,7 @@
 """How many drafted tokens a round should verify, measured end to end at T = 0:
 ``python -m xpress.studies.draft_length --preset cpu`` (k = 1, 2, 3 and the whole block; ``--draft-tokens
-1,2,3,4,5,0`` chooses others).
+1,2,3,4,5,0,auto`` chooses others; ``auto`` picks k each round from the refined block's confidence,
+:mod:`xpress.verify_length`).
 
 A speculative round verifies the anchor and ``k`` drafted tokens in one target forward of ``k + 1`` rows
 (``decode.draft_tokens``; the default verifies all ``B - 1``). Where that forward is bound by memory (a GPU at
@@ -15,7 +16,9 @@ Each method of ``eval.methods`` decodes Table 1's prompts (``eval.prompts_per_be
 interleaved per prompt and repeat (:func:`xpress.studies.compare.decode_interleaved`). Per (method, k):
 tau, tokens/s, the speedup over AR on the same prompts (AR seconds per token / the method's, pooled over
 prompts and repeats, as Table 1), the spread of the per-prompt speedups, and the verify's cost in AR steps
-from the stage timings. Writes ``results/<preset>/draft_length.{json,csv}``.
+from the stage timings. With ``auto`` among the k, ``auto_vs_best`` compares it per method with the
+fastest fixed k of the same run: the geometric mean over prompts of the paired per-prompt speed ratio, with
+a bootstrap interval over prompts. Writes ``results/<preset>/draft_length.{json,csv}``.
 
     from xpress.studies.draft_length import run_draft_length
     result = run_draft_length(cfg, target)
@@ -30,24 +33,71 @@ import time
 from typing import Any, Sequence
 
 from .. import paths
-from ..config import Config
+from ..config import AUTO, Config
 from .compare import (AR, LoadRecord, benchmark_prompts, decode_interleaved, fingerprints_of, make_drafters, study_main,
                       warm_up)
 
 DRAFT_TOKENS = (1, 2, 3, 0)  # 0: all B - 1, the paper's setting
 
 
-def at_lengths(drafters: dict[str, Any], ks: Sequence[int]) -> dict[str, Any]:
+def at_lengths(drafters: dict[str, Any], ks: Sequence[int | str], target=None) -> dict[str, Any]:
     """``{"ar": None, "<method> k=<k>": drafter, ...}``: each model drafter at each k (shallow copies that
-    share the networks; k = 0 means all ``B - 1``)."""
+    share the networks; k = 0 means all ``B - 1``; ``auto``: chosen per round, its costs calibrated on
+    ``target``)."""
+    from ..proposer import with_verify_costs
+
     out: dict[str, Any] = {AR: None}
     for m, d in drafters.items():
         if d is None:
             continue
         for k in ks:
             dk = copy.copy(d)
-            dk.draft_tokens = k or d.block_size - 1
-            out[f"{m} k={dk.draft_tokens}"] = dk
+            dk.auto = k == AUTO
+            dk.draft_tokens = d.block_size - 1 if dk.auto else (k or d.block_size - 1)
+            if dk.auto:
+                if target is None:
+                    raise ValueError("at_lengths: k=auto calibrates its costs on the target; pass target")
+                out[f"{m} k={AUTO}"] = with_verify_costs(dk, target)
+            else:
+                dk.auto, dk.verify_costs = False, None
+                out[f"{m} k={dk.draft_tokens}"] = dk
+    return out
+
+
+def _k(name: str) -> int | str:
+    k = name.split(" k=")[1]
+    return k if k == AUTO else int(k)
+
+
+def auto_vs_best(rows: Sequence[dict], table: Sequence[dict], n_boot: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> dict[str, dict]:
+    """Per method with an ``auto`` row: its speed against the fastest fixed k of the same run (``table``), as
+    the geometric mean over prompts of the paired ratio (tokens / s with auto) / (tokens / s at that k), each
+    prompt's speed pooled over its repeats, with a ``level`` bootstrap interval over prompts."""
+    import numpy as np
+
+    out: dict[str, dict] = {}
+    for method in dict.fromkeys(r["method"] for r in table if r["k"] == AUTO):
+        fixed = [r for r in table if r["method"] == method and r["k"] != AUTO]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["speedup"])
+
+        def speed(k: int | str) -> dict:
+            acc: dict[Any, list[float]] = {}
+            for r in rows:
+                if r["method"] == f"{method} k={k}":
+                    pooled = acc.setdefault((r["bench"], r["id"]), [0.0, 0.0])  # tokens, seconds
+                    pooled[0] += r["tokens"]
+                    pooled[1] += r["seconds"]
+            return {p: v[0] / v[1] for p, v in acc.items()}
+
+        a, b = speed(AUTO), speed(best["k"])
+        logs = np.log(np.array([a[p] / b[p] for p in a if p in b]))
+        idx = np.random.default_rng(seed).integers(0, len(logs), size=(n_boot, len(logs)))
+        lo, hi = np.exp(np.percentile(logs[idx].mean(1), [(1 - level) / 2 * 100, (1 + level) / 2 * 100]))
+        out[method] = {"best_fixed_k": best["k"], "ratio": float(np.exp(logs.mean())), "lo": float(lo),
+                       "hi": float(hi), "prompts": int(len(logs))}
     return out
 
 
@@ -68,16 +118,18 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
         per = [(r["tokens"] / r["seconds"]) / (ar_by[(r["id"], r["repeat"])]["tokens"] / ar_by[(r["id"], r["repeat"])]["seconds"])
                for r in mine]
         q = statistics.quantiles(per, n=4) if len(per) > 1 else [per[0]] * 3
-        method, k = name.split(" k=")
-        out.append({"method": method, "k": int(k), "tau": tok / steps, "tokens_per_s": tok / s,
+        method, k = name.split(" k=")[0], _k(name)
+        drafts = [r["mean_draft_k"] for r in mine if r.get("mean_draft_k") is not None]
+        out.append({"method": method, "k": k, "tau": tok / steps, "tokens_per_s": tok / s,
                     "speedup": (tok / s) / (ar_tok / ar_s), "speedup_q1": q[0], "speedup_q3": q[2],
                     "verify_steps": sum(r["verify_s"] for r in mine) / timed / ar_step,
                     "draft_ms": 1e3 * sum(r["draft_s"] + r["refine_s"] for r in mine) / timed,
-                    "lossless": all(r["lossless"] for r in mine)})
+                    "lossless": all(r["lossless"] for r in mine),
+                    **({"mean_draft_k": sum(drafts) / len(drafts)} if drafts else {})})
     return out
 
 
-def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, methods: Sequence[str] | None = None,
+def run_draft_length(cfg: Config, target, ks: Sequence[int | str] = DRAFT_TOKENS, methods: Sequence[str] | None = None,
                      progress: bool = True, save: bool = True, untrained_ok: bool = False) -> dict[str, Any]:
     """Decode Table 1's prompts with every method at every k (module docstring); writes
     ``results/<preset>/draft_length.{json,csv}`` atomically with provenance; returns the payload."""
@@ -91,13 +143,13 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
     load = LoadRecord.start()
     t0 = time.perf_counter()
     loaded = make_drafters(cfg, target, methods, untrained_ok)
-    drafters = at_lengths(loaded, ks)
+    drafters = at_lengths(loaded, ks, target)
     prompts = benchmark_prompts(cfg, target, e.prompts_per_benchmark)
     warm_up(target, drafters, prompts[0]["ids"])
     rows = decode_interleaved(target, drafters, prompts, e.max_new_tokens, 0.0, cfg.seed, e.repeats, progress,
                               desc="draft length")
     for r in rows:
-        r["k"] = 0 if r["method"] == AR else int(r["method"].split(" k=")[1])
+        r["k"] = 0 if r["method"] == AR else _k(r["method"])
     table = summarize(rows)
     warnings = load.stop()
     best = max((r for r in table if r["method"] != AR), key=lambda r: r["speedup"])
@@ -107,6 +159,9 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
               "max_iters": cfg.head.max_iters, "benchmarks": list(cfg.data.benchmarks), "methods": methods,
               "fingerprints": fingerprints_of(loaded),
               "draft_tokens": [k or cfg.drafter.block_size - 1 for k in ks],
+              "verify_costs": {name: d.verify_costs.to_record() for name, d in drafters.items()
+                               if d is not None and d.verify_costs is not None},
+              "auto_vs_best": auto_vs_best(rows, table),
               "prompts_per_benchmark": e.prompts_per_benchmark, "max_new_tokens": e.max_new_tokens,
               "repeats": e.repeats, "table": table, "best": {"method": best["method"], "k": best["k"],
                                                               "speedup": best["speedup"], "tau": best["tau"]},
@@ -122,13 +177,15 @@ def run_draft_length(cfg: Config, target, ks: Sequence[int] = DRAFT_TOKENS, meth
 
 
 def _add_args(parser) -> None:
-    def ks(text: str) -> list[int]:
+    def ks(text: str) -> list[int | str]:
         try:
-            return [int(k) for k in text.split(",")]
+            return [AUTO if k.strip() == AUTO else int(k) for k in text.split(",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give the k as integers separated by commas, e.g. 1,2,3,0")
+            raise argparse.ArgumentTypeError(f"{text!r}: give the k as integers or auto separated by commas, "
+                                             f"e.g. 1,2,3,0,auto")
     parser.add_argument("--draft-tokens", type=ks, default=list(DRAFT_TOKENS), metavar="K,K,...",
-                        help="the k to measure, comma-separated (0 = all B - 1; default: 1,2,3,0)")
+                        help="the k to measure, comma-separated (0 = all B - 1; auto = chosen per round; "
+                             "default: 1,2,3,0)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(cfg: Config, target, args) -> int:
-    bad = [k for k in args.draft_tokens if not 0 <= k < cfg.drafter.block_size]
+    bad = [k for k in args.draft_tokens if k != AUTO and not 0 <= k < cfg.drafter.block_size]
     if bad:
         print(f"error: --draft-tokens {bad[0]} must lie in [0, {cfg.drafter.block_size - 1}] (0 = all; the drafter's "
               f"block size is {cfg.drafter.block_size})", file=sys.stderr)
@@ -147,6 +204,9 @@ def _main(cfg: Config, target, args) -> int:
         print(f"{r['method']:>7} k={r['k']}: tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tokens/s  speedup "
               f"{r['speedup']:.3f} [{r['speedup_q1']:.2f}, {r['speedup_q3']:.2f}]  verify {r['verify_steps']:.2f} steps  "
               f"draft {r['draft_ms']:.1f} ms  lossless {r['lossless']}")
+    for m, c in result["auto_vs_best"].items():
+        print(f"{m}: auto / best fixed k={c['best_fixed_k']}: {c['ratio']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}] "
+              f"over {c['prompts']} prompts")
     print(f"wrote {paths.RESULTS / cfg.preset / 'draft_length.json'}")
     return 0
 

@@ -311,7 +311,7 @@ def run_table1(cfg: Config, target, methods: Sequence[str] | None = None, per_be
                       "interleaved per prompt",
               "preset": cfg.preset, "target": target.name, "block_size": cfg.drafter.block_size,
               "max_iters": cfg.head.max_iters,
-              "draft_tokens": cfg.decode.draft_tokens or cfg.drafter.block_size - 1,  # k verified per round
+              "draft_tokens": cfg.decode.draft_tokens or cfg.drafter.block_size - 1,  # k verified per round, or "auto"
               "benchmarks": list(cfg.data.benchmarks), "methods": methods,
               "weights": weights_of(drafters), "fingerprints": fingerprints_of(drafters),
               "prompts_per_benchmark": per_benchmark,

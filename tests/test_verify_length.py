@@ -1,0 +1,103 @@
+"""``decode.draft_tokens=auto`` (xpress.verify_length): each row's verify length from the refined block's
+confidence and the measured cost of a verify. The rule's arithmetic, the config switch, the per-row lengths
+in greedy verification, the calibration, and the output at T = 0 equal to greedy AR for every method, batch
+1 and ragged batches. The T > 0 distribution tests are in tests/test_sampling.py (a length chosen from each
+position's distribution passes; one that reads the drawn token fails)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import xpress.paths
+
+from xpress.config import ConfigError, load_config
+from xpress.decoding import generate_ar, generate_speculative, generate_speculative_batch, greedy_accept
+from xpress.methods import MODEL_METHODS, make_drafter
+from xpress.targets import encode_chat
+from xpress.verify_length import VerifyCosts, calibrate, draft_lengths, expected_tokens
+
+MAX_NEW = 12
+
+
+def test_expected_tokens_and_the_stopping_rule():
+    c = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    assert torch.allclose(expected_tokens(c), torch.tensor([[2.0, 3.0, 4.0], [1.0, 1.0, 1.0],
+                                                            [1.5, 1.75, 1.875]]))
+    free = VerifyCosts(0.0, (1.0,) * 4)  # every verify costs the same: verify everything worth anything
+    assert draft_lengths(c, free).tolist() == [3, 1, 3]
+    # r_j = E_j / (1 + 0.1 j): row 3 climbs 1.5/1.1 = 1.36 -> 1.75/1.2 = 1.46, then 1.875/1.3 = 1.44: stop at 2
+    steeper = VerifyCosts(0.0, tuple(1.0 + 0.1 * i for i in range(4)))
+    assert draft_lengths(c, steeper).tolist() == [3, 1, 2]
+    assert draft_lengths(c, VerifyCosts(0.0, (1.0, 1.0))).tolist() == [1, 1, 1]  # the costs cover one draft
+    with pytest.raises(ValueError, match="verify_s"):
+        VerifyCosts(0.0, (1.0, 0.0))
+
+
+def test_the_config_switch():
+    cfg = load_config("smoke", ["decode.draft_tokens=auto"])
+    assert cfg.decode.draft_tokens == "auto"
+    assert load_config("smoke", ["decode.draft_tokens=2"]).decode.draft_tokens == 2
+    for bad in ("often", "-1", str(cfg.drafter.block_size), "1.5"):
+        with pytest.raises(ConfigError, match="decode.draft_tokens=.* must be auto or lie in"):
+            load_config("smoke", [f"decode.draft_tokens={bad}"])
+
+
+def test_greedy_acceptance_stops_at_each_rows_length():
+    logits = torch.nn.functional.one_hot(torch.tensor([[5, 6, 7, 8]] * 3), 10).float()  # the target's argmaxes
+    draft = torch.tensor([[5, 6, 7]] * 3)
+    n_acc, nxt = greedy_accept(draft, logits, torch.tensor([3, 1, 0]))
+    assert n_acc.tolist() == [3, 1, 0] and nxt.tolist() == [8, 6, 5]
+
+
+def _auto(cfg, target, method, costs=None):
+    auto = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, draft_tokens="auto"))
+    drafter = make_drafter(method, auto, target, seed=0, untrained_ok=True)
+    if costs is not None:
+        drafter.verify_costs = costs
+    return drafter
+
+
+def test_calibration_measures_every_verify_length(cfg, target):
+    drafter = _auto(cfg, target, "xpress")
+    c = drafter.verify_costs  # make_drafter calibrated it
+    assert isinstance(c, VerifyCosts) and len(c.verify_s) == cfg.drafter.block_size and c.draft_s > 0
+    assert all(v > 0 for v in c.verify_s) and c.source.startswith("calibrate")
+    again = calibrate(target, drafter, repeats=1)
+    assert again.verify_s == c.verify_s  # the verify times are measured once per target and block size
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_checkpoints(tmp_path_factory):
+    """Model drafters start from fresh seeded weights here, whatever lies in this machine's checkpoints/."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(xpress.paths, "CHECKPOINTS", tmp_path_factory.mktemp("checkpoints"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    from xpress.data import load_benchmark
+
+    return [encode_chat(target.tokenizer, rec["turns"][:1]) for rec in load_benchmark("gsm8k", limit=6)]
+
+
+@pytest.mark.parametrize("method", MODEL_METHODS)
+def test_auto_stays_greedy_single_and_in_ragged_batches(method, cfg, target, prompts):
+    """Costs that make the rows' lengths differ (each verify row costs a little more than the last): every
+    output equals greedy AR's, batch 1 and in batches of 3 whose rows verify different lengths."""
+    reference = [generate_ar(target, p, MAX_NEW).token_ids for p in prompts]
+    B = cfg.drafter.block_size
+    costs = VerifyCosts(0.0, tuple(1.0 + 1e-4 * i for i in range(B)))
+    drafter = _auto(cfg, target, method, costs)
+    seen = set()
+    for p, ref in zip(prompts, reference):
+        g = generate_speculative(target, drafter, p, MAX_NEW)
+        assert g.token_ids == ref
+        seen |= {k for ks in g.stats["draft_k"] for k in (ks if isinstance(ks, list) else [ks])}
+        assert all(a <= B for a in g.accept_lengths)
+    assert seen <= set(range(1, B)) and len(seen) > 1, f"{method}: lengths chosen {seen}"
+    for start in (0, 3):
+        gens = generate_speculative_batch(target, drafter, prompts[start:start + 3], MAX_NEW)
+        assert [g.token_ids for g in gens] == reference[start:start + 3]

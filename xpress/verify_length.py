@@ -1,0 +1,153 @@
+"""The verify length chosen per round from the refined block's confidence (``decode.draft_tokens: auto``).
+
+A round drafts and refines the whole block, then verifies the anchor and its first ``k`` drafted tokens in
+one target forward of ``k + 1`` rows. Verifying fewer rows is cheaper where that forward is bound by
+arithmetic (a CPU), and loses little where the later positions would be rejected anyway. With ``auto`` each
+row of a round gets its own ``k`` from what the drafter believes about its block:
+
+    c_i  = the largest probability of the refined distribution at position i (i = 1 .. P): softmax(s_i + delta_i)
+           at temperature 1 when T = 0 (the drafted token's own probability), the drawn-from q_i when T > 0
+    E_j  = 1 + sum_{i <= j} prod_{l <= i} c_l    the expected tokens a round commits when it verifies j drafts
+                                                 (acceptance stops at the first rejection; +1: the target's token)
+    r_j  = E_j / (D + V(j + 1))                  expected tokens per second; D: drafting and refining a block,
+                                                 V(n): a verify of n rows (seconds, :class:`VerifyCosts`)
+    k    = the first j in 1 .. P with r_{j+1} <= r_j (or P)
+
+Why this rule is lossless at T > 0 as well as at T = 0: whether position j + 1 is verified depends on
+c_1 .. c_{j+1}, and c_{j+1} is a property of the distribution q_{j+1}, which the causal heads compute from
+the tokens before position j + 1 only. So k is a stopping time of the drafted sequence: given the tokens
+before it and that it is verified, x_{j+1} is still a draw from q_{j+1}, which is all rejection sampling
+needs. A rule that read the drafted token's own probability at T > 0 (q_{j+1}(x_{j+1})) would not be:
+``tests/test_verify_length.py`` shows such a rule failing the distribution test that this one passes. At
+T = 0 every k gives greedy AR's tokens.
+
+``V`` and ``D`` are measured once per target and drafter on the machine that decodes (:func:`calibrate`:
+medians of interleaved repeats at a context of 256 tokens), and every study that decodes with ``auto``
+records them (:meth:`VerifyCosts.to_record`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import median
+from typing import Any, Sequence
+
+import torch
+
+
+CALIBRATION_CONTEXT = 256  # tokens before the timed verifies
+CALIBRATION_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """Seconds a round costs: ``draft_s`` (drafting and refining the whole block) and ``verify_s[n - 1]``, a
+    target verify of ``n`` rows, for n = 1 .. B (the anchor plus up to B - 1 drafts)."""
+
+    draft_s: float
+    verify_s: tuple[float, ...]
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not self.verify_s or any(v <= 0 for v in self.verify_s) or self.draft_s < 0:
+            raise ValueError("VerifyCosts: verify_s must hold a positive time per row count (1 .. B) and "
+                             "draft_s must be >= 0")
+
+    def round_s(self, drafts: int) -> float:
+        """A round's seconds when it verifies ``drafts`` drafted tokens (``drafts + 1`` rows)."""
+        return self.draft_s + self.verify_s[min(drafts, len(self.verify_s) - 1)]
+
+    def to_record(self) -> dict[str, Any]:
+        return {"draft_ms": 1e3 * self.draft_s, "verify_ms": [1e3 * v for v in self.verify_s],
+                "source": self.source}
+
+
+def expected_tokens(confidence: torch.Tensor) -> torch.Tensor:
+    """E_j for j = 1 .. P from the per-position confidences [b, P] (each in [0, 1]): [b, P] float32,
+    column j - 1 the expected tokens committed by a round that verifies the first j drafts."""
+    c = confidence.float().clamp(0.0, 1.0)
+    return 1.0 + torch.cumprod(c, dim=1).cumsum(dim=1)
+
+
+def draft_lengths(confidence: torch.Tensor, costs: VerifyCosts) -> torch.Tensor:
+    """Each row's k (module docstring) from the per-position confidences [b, P]: [b] int64 in 1 .. P, P
+    capped at the rows the costs cover. Row i continues to j + 1 while r_{j+1} > r_j."""
+    P = min(confidence.shape[1], len(costs.verify_s) - 1)
+    if P <= 1:
+        return torch.ones(confidence.shape[0], dtype=torch.int64, device=confidence.device)
+    e = expected_tokens(confidence[:, :P])  # [b, P]
+    seconds = torch.tensor([costs.round_s(j) for j in range(1, P + 1)], device=e.device)
+    rate = e / seconds  # [b, P]
+    go_on = (rate[:, 1:] > rate[:, :-1]).long().cumprod(1)  # [b, P - 1]: still climbing
+    return 1 + go_on.sum(1)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def calibrate(target: Any, drafter: Any, context: int = CALIBRATION_CONTEXT,
+              repeats: int = CALIBRATION_REPEATS) -> VerifyCosts:
+    """Measure :class:`VerifyCosts` for ``drafter`` (an ``auto`` drafter: a whole-block ``propose``) on
+    ``target``: after a prefill of ``context`` synthetic tokens, the target's verify of n = 1 .. B rows (the
+    cache cropped back after each) and the drafter's ``propose``, in interleaved sweeps of ``repeats``
+    (the first sweep a warm-up); medians. The verify times are cached on the target per block size."""
+    from .targets import target_forward
+
+    dev = target.device
+    B = drafter.block_size
+    if context <= B:
+        raise ValueError(f"calibrate: context={context} must exceed the block size {B}")
+    ids = (torch.arange(context, device=dev) * 7919 + 11) % max(2, min(target.vocab_size, 32000))  # [context]
+    prompt = ids[None]
+    out = target_forward(target, prompt[:, :-1], None, None, None, logits_to_keep=1)
+    cache, L = out.cache, context - 1
+    drafter.reset([ids.tolist()])
+    drafter.extend(prompt[:, :-1], out.features, torch.arange(L, device=dev)[None],
+                   torch.ones(1, L, dtype=torch.bool, device=dev))
+    anchor, anchor_pos = prompt[:, -1], torch.tensor([L], device=dev)
+    memo = getattr(target, "_verify_costs", None)
+    if memo is None:
+        memo = {}
+        try:
+            target._verify_costs = memo
+        except AttributeError:
+            pass
+    verify = memo.get(B)
+    times: dict[int, list[float]] = {n: [] for n in range(1, B + 1)}
+    draft: list[float] = []
+    saved = drafter.verify_costs
+    drafter.verify_costs = VerifyCosts(0.0, (1.0,) * B, "provisional")  # the timed propose drafts the whole block
+    try:
+        for sweep in range(repeats + 1):
+            t0 = _clock(dev)
+            drafter.propose(anchor, anchor_pos, 0.0)
+            if sweep:
+                draft.append(_clock(dev) - t0)
+            if verify is not None:
+                continue
+            for n in range(1, B + 1):
+                block = ids[None, :n]  # [1, n]: context > B
+                pos = L + torch.arange(n, device=dev)[None]
+                t0 = _clock(dev)
+                target_forward(target, block, cache, pos, None)
+                if sweep:
+                    times[n].append(_clock(dev) - t0)
+                cache.crop(L)
+    finally:
+        drafter.verify_costs = saved
+    if verify is None:
+        verify = tuple(median(times[n]) for n in range(1, B + 1))
+        memo[B] = verify
+    return VerifyCosts(median(draft), verify, f"calibrate(context={context}, repeats={repeats})")
+
+
+def summarize_choices(ks: Sequence[int]) -> dict[str, Any]:
+    """How often each k was chosen: ``{"mean": ..., "counts": {k: n}}``."""
+    counts: dict[int, int] = {}
+    for k in ks:
+        counts[int(k)] = counts.get(int(k), 0) + 1
+    return {"mean": (sum(ks) / len(ks)) if ks else None, "counts": dict(sorted(counts.items()))}
