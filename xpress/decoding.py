@@ -232,8 +232,9 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device | str = "cpu",
 class RaggedKV:
     """Bookkeeping for one target KV cache shared by ``b`` rows that advance by different amounts.
 
-    Column j of the cache holds, per row, a committed token (``mask[i, j]`` True) or a hole. Call
-    :meth:`attention_mask` before a forward of ``n`` new columns and :meth:`commit` after it. Trailing
+    Column j of the cache holds, per row, a committed token (``mask[i, j]`` True) or a hole. :meth:`prefill`
+    and :meth:`forward` run the target with :meth:`attention_mask`'s mask (:class:`RowKV` has the same calls);
+    call :meth:`commit` after a forward of ``n`` new columns. Trailing
     columns that are holes in every row are cropped; once every row has ``min_holes`` holes the cache is
     compacted (each row's kept columns gathered, in order, to the right end) -- the K/V carry their RoPE
     positions, and causality follows column order, which compaction keeps. With ``b == 1`` there is no
@@ -339,7 +340,7 @@ class RowKV:
 
     def __init__(self, target: Target, batch: int, capacity: int) -> None:
         self.cache = new_row_cache(target, batch, capacity)
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # committed columns per row (on the CPU, as the kernels read them)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # committed columns per row (CPU: the kernels read them)
 
     def prefill(self, target: Target, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
                 hidden_states: bool) -> TargetStep:
