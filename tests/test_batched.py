@@ -4,7 +4,9 @@ import json
 import pytest
 
 from xpress import paths
-from xpress.studies.batched import round_robin, run_batched, throughput_table
+from xpress.decoding import generate_ar
+from xpress.studies.batched import round_robin, row_divergences, run_batched, throughput_table
+from xpress.targets import per_row_cache
 
 
 def test_round_robin_mixes_benchmarks():
@@ -33,7 +35,19 @@ def test_batched_on_the_smoke_target(cfg, target, tmp_path, monkeypatch):
     assert set(t) == {(1, "ar"), (1, "xpress"), (2, "ar"), (2, "xpress")} and result["batch_sizes"] == [1, 2]
     assert all(r["sequences"] == 3 for r in result["table"])          # the same prompts at every batch size
     assert t[(1, "xpress")]["same_as_ar_b1"] == 1.0 and t[(1, "ar")]["speedup"] == pytest.approx(1.0)
+    if per_row_cache(target):  # the fused kernels: every batched row is its batch-1 decode
+        assert all(r["same_as_ar_b1"] == 1.0 for r in result["table"])
+    assert all(len(r["divergences"]) == r["sequences"] - r["same_as_ar_b1"] for r in result["runs"])
     assert len({p.split("-")[0] for p in result["prompt_ids"]}) == 3    # round-robin over the benchmarks
     saved = json.loads((tmp_path / cfg.preset / "batched.json").read_text())
     assert saved["provenance"]["preset"] == cfg.preset and "load_average_after" in saved["provenance"]
     assert (tmp_path / cfg.preset / "batched.csv").is_file()
+
+
+def test_row_divergences_name_the_row_position_and_margin(target):
+    prompts = [[5, 6, 7], [9, 10]]
+    ref = [generate_ar(target, p, 5).token_ids for p in prompts]
+    other = [list(ref[0]), ref[1][:2] + [(ref[1][2] + 1) % target.vocab_size] + ref[1][3:]]
+    (d,) = row_divergences(target, prompts, other, ref, first_row=4)
+    assert d["row"] == 5 and d["position"] == 2 and d["reference_token"] == ref[1][2] and d["top2_margin"] >= 0
+    assert row_divergences(target, prompts, ref, ref) == []

@@ -31,12 +31,12 @@ def test_cotraining_compares_tau_by_decoding(results, xpress, verdict):
     assert f"tau(xPress)/tau(dFlash) = {xpress / 2:.2f}" in text and text.count("\n- ") == 3  # 3 methods + the ratio
 
 
-def batched_file(folder, same):
+def batched_file(folder, same, runs=()):
     sizes = [1, 4]
     table = [{"batch_size": b, "method": m, "tau": t, "tokens_per_s": v * b, "same_as_ar_b1": 1.0 if b == 1 else same[m]}
              for b in sizes for m, t, v in (("ar", 1.0, 10.0), ("dflash", 1.5, 12.0), ("xpress", 1.6, 13.0))]
     write(folder, "batched", {"methods": ["ar", "dflash", "xpress"], "n_prompts": 8, "max_new_tokens": 16,
-                              "reference_batch_size": 1, "table": table, "warnings": []})
+                              "reference_batch_size": 1, "table": table, "runs": list(runs), "warnings": []})
 
 
 def test_batched_says_plainly_which_fraction_of_rows_equals_ar(results):
@@ -45,6 +45,12 @@ def test_batched_says_plainly_which_fraction_of_rows_equals_ar(results):
     assert "**Exactness at batch 4: ar 75%, dflash 62%, xpress 100% of the 8 rows equal batch-1 AR's greedy output**" in text
     assert "NOT token-for-token lossless" in text
     assert "speedup over AR 1.30x, 1.30x" in text and "xPress / dFlash throughput: 1.08 at batch 1" in text
+    assert "top-2 logit margin" not in text  # no divergences recorded (a file written before they were)
+    runs = [{"batch_size": 4, "method": "ar", "divergences": [{"row": 1, "position": 3, "top2_margin": 0.03125},
+                                                               {"row": 2, "position": None}]},
+            {"batch_size": 4, "method": "dflash", "divergences": [{"row": 0, "position": 7, "top2_margin": 0.0}]}]
+    batched_file(results, {"ar": 0.75, "dflash": 0.625, "xpress": 1.0}, runs)
+    assert "top-2 logit margin where rows first differ: at most 0.0312" in findings.batched("p")
     batched_file(results, {"ar": 1.0, "dflash": 1.0, "xpress": 1.0})
     assert "NOT token-for-token lossless" not in findings.batched("p")
 

@@ -154,10 +154,9 @@ def test_speculative_equals_greedy_ar_in_every_dtype(dtype):
         assert generate_speculative(target, rand, p, 40).token_ids == ref
     batch = generate_speculative_batch(target, oracle, prompts, 40)
     refs = [generate_ar(target, p, 40).token_ids for p in prompts]
-    if target.runtime.kernels is None:  # one PyTorch layer for every row count: equal
-        assert [g.token_ids for g in batch] == refs
-    else:  # the fused layers at batch 1, the PyTorch layer for a ragged batch: its tokens are compared, not bits
-        assert sum(g.token_ids == r for g, r in zip(batch, refs)) >= len(prompts) - 1
+    # kernels=torch: one PyTorch layer for every row count; fused: one cache row per sequence through the fused
+    # layers (xpress.decoding.RowKV). Equal either way.
+    assert [g.token_ids for g in batch] == refs
 
 
 def test_auto_dtype_falls_back_to_float32_when_bf16_is_not_row_invariant(monkeypatch):

@@ -46,9 +46,10 @@ class TargetConfig:
     cache, fused projections, row-invariant attention), ``transformers`` (the model's own forward and a
     growing ``DynamicCache``: the path before the lean runtime existed) or ``auto`` (lean on a CPU where
     the architecture is supported, else transformers). kernels, for the lean runtime: ``torch`` (every
-    layer a sequence of PyTorch operations), ``fused`` (one sequence at a time, and regeneration's continuous
-    batching, each decoder layer is one call of the C++ kernel of :mod:`xpress.kernels`, built on first use,
-    in float32, or in bf16 with its products on AMX tiles; ragged batches keep the PyTorch layer) or ``auto``
+    layer a sequence of PyTorch operations), ``fused`` (one sequence at a time, batched decoding with one cache
+    row per sequence (exact: each row as alone) and regeneration's continuous batching, each decoder layer is one
+    call of the C++ kernel of :mod:`xpress.kernels`, built on first use, in float32, or in bf16 with its products
+    on AMX tiles; left-padded batches (regeneration's ``batched`` engine) keep the PyTorch layer) or ``auto``
     (fused in float32 on a CPU with AVX2 and FMA but no AVX-512 and in bf16 on a CPU with AMX-BF16, the
     classes of CPU it was measured on, where it builds; else torch). attention, for the fused bf16 layer:
     ``auto`` runs attention's two products (q.k, p.v) in bf16 with float32 sums too, on the AMX tiles or, on

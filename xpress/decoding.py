@@ -16,11 +16,17 @@ One speculative round (the dFlash inference layout, docs/background.md)::
 Prefill runs the prompt without its last token; that token is the first anchor, so every generated token
 comes out of a verification step and ``sum(accept_lengths) == len(token_ids)``.
 
-Ragged batches (``b > 1``) share one target KV cache (:class:`RaggedKV`): prompts are left-padded with
-masked holes, every round appends the verified block for all rows and marks each row's rejected positions
-as holes in a 2D attention mask; positions are passed explicitly. Holes never change what a row attends
-to, so each row decodes exactly as it would alone (up to floating-point reduction order). With ``b == 1``
-there are never holes: the rejected tail is cropped off the DynamicCache and no mask is passed.
+Batches (``b > 1``) keep the target's KV cache in one of two ways (:func:`batch_cache`). Where the target runs
+the lean runtime on the fused CPU kernels (:func:`xpress.targets.per_row_cache`), every sequence owns one cache
+row from column 0 (:class:`RowKV`): a round writes each row's verify block after that row's own length, and the
+length advances by what the row keeps, so there is no padding and no hole, and every row's numbers are bit for bit
+those of a batch-1 forward: at T = 0 each row equals batch-1 greedy AR token for token, in float32 and bf16.
+Elsewhere (the transformers runtime, ``target.kernels=torch``, regeneration's state capture) the rows share one
+left-padded cache (:class:`RaggedKV`): every round appends the verified block for all rows and marks each row's
+rejected positions as holes in a 2D attention mask; positions are passed explicitly. Holes never change what a
+row attends to, so each row decodes as it would alone up to floating-point reduction order (its tokens sit at
+other cache columns): a greedy token can flip at a near-tie. With ``b == 1`` the plain cache is used (no holes:
+the rejected tail is cropped off and no mask is passed).
 
 Timing: every step records seconds per stage in ``Generation.step_times`` -- speculative: ``draft``
 (the drafter's own ``Draft.timings["draft"]``, plus ``extend``; for a drafter that reports no ``draft``
@@ -41,7 +47,8 @@ import torch
 
 from .protocol import Draft, Drafter
 from .readout import argmax_last
-from .targets import Target, encode_chat, lm_logits, target_forward
+from .targets import (Target, TargetStep, encode_chat, forward_rows, lm_logits, new_row_cache, per_row_cache,
+                      prefill_rows, target_forward)
 from .utils import EventSpan, EventStopwatch, now, stage_clock
 
 SPEC_STAGES = ("draft", "refine", "verify", "bookkeeping")
@@ -236,8 +243,9 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device | str = "cpu",
 class RaggedKV:
     """Bookkeeping for one target KV cache shared by ``b`` rows that advance by different amounts.
 
-    Column j of the cache holds, per row, a committed token (``mask[i, j]`` True) or a hole. Call
-    :meth:`attention_mask` before a forward of ``n`` new columns and :meth:`commit` after it. Trailing
+    Column j of the cache holds, per row, a committed token (``mask[i, j]`` True) or a hole. :meth:`prefill`
+    and :meth:`forward` run the target with :meth:`attention_mask`'s mask (:class:`RowKV` has the same calls);
+    call :meth:`commit` after a forward of ``n`` new columns. Trailing
     columns that are holes in every row are cropped; once every row has ``min_holes`` holes the cache is
     compacted (each row's kept columns gathered, in order, to the right end) -- the K/V carry their RoPE
     positions, and causality follows column order, which compaction keeps. With ``b == 1`` there is no
@@ -251,6 +259,27 @@ class RaggedKV:
         self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device) if batch > 1 else None
         self.min_holes = COMPACT_MIN_HOLES if min_holes is None else min_holes
         self._holes = False  # any hole among the cached columns
+
+    def prefill(self, target: Target, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                hidden_states: bool) -> TargetStep:
+        """Run the left-padded prompts ``ids`` [b, L] (``valid``, ``positions`` [b, L]: :func:`left_pad`) into a
+        new cache and commit them. Returns the logits after the last column [b, 1, V] float32 and, with
+        ``hidden_states``, the features [b, L, F] (None otherwise)."""
+        out = self.forward(target, ids, positions, hidden_states, logits_to_keep=1, new=valid)
+        self.commit(out.cache, valid)
+        return out
+
+    def forward(self, target: Target, ids: torch.Tensor, positions: torch.Tensor, hidden_states: bool,
+                logits_to_keep: int = 0, new: torch.Tensor | None = None) -> TargetStep:
+        """n new columns for every row, ``ids`` at ``positions`` [b, n], after the cache (:meth:`commit` says
+        next which to keep; ``new``: their validity [b, n], all real when None). Returns the logits of the last
+        ``logits_to_keep`` positions (0: all) [b, k, V] float32 and, with ``hidden_states``, the features
+        [b, n, F]."""
+        mask = self.attention_mask(ids.shape[1] if new is None else new)
+        if hidden_states:
+            return target_forward(target, ids, self.cache, positions, mask, logits_to_keep)
+        logits, cache = lm_logits(target, ids, self.cache, positions, mask, logits_to_keep)
+        return TargetStep(logits=logits, features=None, cache=cache)
 
     def attention_mask(self, new: torch.Tensor | int) -> torch.Tensor | None:
         """The [b, L + n] mask for a forward of n new columns: ``new`` is their validity [b, n] bool, or n
@@ -308,6 +337,66 @@ class RaggedKV:
             layer.values = layer.values.gather(2, g)
         self.length = kept
         self._holes = min(self.counts) < kept
+
+
+class RowKV:
+    """Bookkeeping for a target KV cache with one row per sequence (:func:`xpress.targets.per_row_cache`: the
+    lean runtime on the fused CPU kernels), the role of :class:`RaggedKV` with the same calls.
+
+    Row i holds its sequence's committed tokens at columns ``0..lengths[i] - 1``: no padding and no holes, and the
+    positions are the columns. :meth:`forward` writes each row's n new tokens at columns ``lengths[i]..`` (causal
+    within the block); :meth:`commit` advances each row's length by what it keeps, so the rejected columns are
+    overwritten by the next forward. Every row's numbers are bit for bit those of a forward of its sequence alone.
+    """
+
+    def __init__(self, target: Target, batch: int, capacity: int) -> None:
+        self.cache = new_row_cache(target, batch, capacity)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # committed columns per row (CPU: the kernels read them)
+
+    def prefill(self, target: Target, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                hidden_states: bool) -> TargetStep:
+        """Run each row's prompt (its ``valid`` tokens of the left-padded ``ids`` [b, L], :func:`left_pad`) into
+        its own row from column 0. Returns the logits after each prompt's last token [b, 1, V] float32 and, with
+        ``hidden_states``, the features in the left-padded layout [b, L, F] (zeros on the padding)."""
+        seqs = [row[ok].tolist() for row, ok in zip(ids, valid)]
+        last, feats = prefill_rows(target, seqs, self.cache, hidden_states)
+        self.lengths = valid.sum(1).cpu()
+        features = None
+        if hidden_states:
+            L = ids.shape[1]
+            features = torch.zeros(*ids.shape, target.feature_size, dtype=target.dtype, device=ids.device)
+            for i, f in enumerate(feats):
+                if f is not None:
+                    features[i, L - f.shape[0]:] = f
+        return TargetStep(logits=last[:, None], features=features, cache=self.cache)
+
+    def forward(self, target: Target, ids: torch.Tensor, positions: torch.Tensor, hidden_states: bool,
+                logits_to_keep: int = 0) -> TargetStep:
+        """Row i's n new tokens ``ids`` [b, n] after its ``lengths[i]`` columns (``positions`` [b, n], which are
+        those columns, are not read). Returns the logits of the last ``logits_to_keep`` positions (0: all)
+        [b, k, V] float32 and, with ``hidden_states``, the features [b, n, F]."""
+        out = forward_rows(target, ids, self.cache, self.lengths, hidden_states)
+        if logits_to_keep:
+            out.logits = out.logits[:, -logits_to_keep:]
+        return out
+
+    def commit(self, cache: Any, keep: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
+        """After a forward, advance each row by the new columns it keeps: the first ``counts[i]`` (host ints),
+        else ``keep`` [b, n] bool's count, else one (an autoregressive step). ``cache``: the forward's (this one)."""
+        if keep is None:
+            self.lengths += 1
+        else:
+            self.lengths += torch.as_tensor(list(counts)) if counts is not None else keep.sum(1).cpu()
+
+
+def batch_cache(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> RaggedKV | RowKV:
+    """The target cache of a batched call: one row per sequence (:class:`RowKV`: each row bit for bit as alone)
+    where the target's forward keeps one (:func:`xpress.targets.per_row_cache`) and there are several prompts,
+    else the shared left-padded cache (:class:`RaggedKV`; at batch 1 the plain cache, never a hole)."""
+    b = len(prompts)
+    if b > 1 and per_row_cache(target):
+        return RowKV(target, b, max(len(p) for p in prompts) + max_new_tokens)
+    return RaggedKV(b, target.device)
 
 
 # ==================================================================================== shared helpers
@@ -422,7 +511,8 @@ def _per_row(stats: dict[str, Any], b: int, read: dict[str, list] | None = None)
 def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       temperature: float = 0.0, generator: torch.Generator | None = None,
                       stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None) -> list[Generation]:
-    """Autoregressive decoding of ``b`` prompts (left-padded, one KV cache): one target forward per token.
+    """Autoregressive decoding of ``b`` prompts (the target cache of :func:`batch_cache`): one target forward
+    per token.
 
     Stops a row at an EOS/stop token (kept) or after ``max_new_tokens``; finished rows keep being fed
     (their results are frozen) until every row is done. Returns one :class:`Generation` per prompt.
@@ -434,12 +524,11 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
     b = len(prompts)
     rows = _Rows(prompts, AR_STAGES, dev)
     sw = stage_clock(dev)
-    kv = RaggedKV(b, dev)
+    kv = batch_cache(target, prompts, max_new_tokens)
     stops = set(target.eos_token_ids) | set(stop_ids or ())
     ids, valid, pos = left_pad(prompts, dev)
-    logits, cache = lm_logits(target, ids, None, pos, kv.attention_mask(valid))
-    kv.commit(cache, valid)
-    token = choose_token(logits[:, -1], temperature, generator)
+    out = kv.prefill(target, ids, valid, pos, hidden_states=False)
+    token = choose_token(out.logits[:, -1], temperature, generator)
     pos = pos[:, -1:] + 1  # [b, 1]
     rows.set_prefill()
     live = list(range(b))
@@ -461,10 +550,10 @@ def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_
         if not live:
             break
         with sw("forward"):
-            logits, cache = lm_logits(target, token[:, None], kv.cache, pos, kv.attention_mask(1))
-            token = choose_token(logits[:, -1], temperature, generator)
+            out = kv.forward(target, token[:, None], pos, hidden_states=False, logits_to_keep=1)
+            token = choose_token(out.logits[:, -1], temperature, generator)
         with sw("bookkeeping"):
-            kv.commit(cache)
+            kv.commit(out.cache)
             pos = pos + 1
     if isinstance(sw, EventStopwatch):
         rows.read_times()
@@ -489,7 +578,8 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
                                generator: torch.Generator | None = None,
                                stop_ids: Sequence[int] | None = None,
                                on_round: OnRound | None = None) -> list[Generation]:
-    """Speculative decoding of ``b`` prompts with ``drafter`` (ragged acceptance, one target KV cache).
+    """Speculative decoding of ``b`` prompts with ``drafter`` (ragged acceptance; the target cache of
+    :func:`batch_cache`).
 
     Lossless: at T = 0 each row equals greedy :func:`generate_ar`; at T > 0 each row is distributed as
     autoregressive sampling from ``softmax(logits / T)`` (rejection sampling with the drafter's ``q``).
@@ -501,13 +591,12 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
     b = len(prompts)
     rows = _Rows(prompts, SPEC_STAGES, dev)
     sw = stage_clock(dev)
-    kv = RaggedKV(b, dev)
+    kv = batch_cache(target, prompts, max_new_tokens)
     stops = _stop_tensor(target, stop_ids, dev)
     drafter.reset([list(p) for p in prompts])
     ctx, valid, ctx_pos = left_pad([p[:-1] for p in prompts], dev)
     if ctx.shape[1]:
-        out = target_forward(target, ctx, None, ctx_pos, kv.attention_mask(valid), logits_to_keep=1)
-        kv.commit(out.cache, valid)
+        out = kv.prefill(target, ctx, valid, ctx_pos, hidden_states=True)
         drafter.extend(ctx, out.features, ctx_pos, valid)
     anchor = torch.tensor([p[-1] for p in prompts], dtype=torch.long, device=dev)
     anchor_pos = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=dev)
@@ -525,7 +614,7 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
             B = block.shape[1]  # k + 1 rows: the drafter's block size, or fewer (decode.draft_tokens)
             arange_B = torch.arange(B, device=dev)
             positions = anchor_pos[:, None] + arange_B
-            out = target_forward(target, block, kv.cache, positions, kv.attention_mask(B))
+            out = kv.forward(target, block, positions, hidden_states=True)
             if temperature == 0:
                 n_acc, nxt = greedy_accept(draft.tokens, out.logits, draft.lengths)
             elif draft.q is None:

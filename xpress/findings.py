@@ -358,9 +358,14 @@ def batched(preset: str) -> str:
                      f"{r['n_prompts']} rows equal batch-{ref} AR's greedy output**"
                      + ("; the rest differ." if min(same.values()) < 1 else "."))
     if any(rows[(b, m)]["same_as_ar_b1"] < 1 for b in sizes if b != ref for m in r["methods"] if (b, m) in rows):
+        margins = [d["top2_margin"] for run in r.get("runs", []) for d in run.get("divergences", [])
+                   if d.get("top2_margin") is not None]
         lines.append(f"So batched decoding here is NOT token-for-token lossless against batch-{ref} AR, AR itself "
                      f"included: batched rows run the target's products in another reduction order, and a near-tie "
-                     f"argmax can flip.")
+                     f"argmax can flip" + (f" (the target's top-2 logit margin where rows first differ: at most "
+                                           f"{max(margins):.3g})." if margins else ".")
+                     + " Batched rows are exact only on the lean runtime with the fused CPU kernels (one cache "
+                       "row per sequence).")
     lines.append("Load: " + (" ".join(r["warnings"]) if r.get("warnings") else
                              "the machine was quiet at the start and the end."))
     return _bullets(lines)

@@ -117,6 +117,10 @@ class StaticKV:
     grows geometrically (a multiple of :data:`CHUNK`), :meth:`crop` only moves the length. The interface
     is the part of transformers' ``Cache`` that the decoding loop uses (``get_seq_length``, ``crop``) plus
     :meth:`gather_columns` for ragged batches.
+
+    A cache with one row per sequence (:meth:`LeanModel.prefill_row`, :meth:`LeanModel.step_rows`,
+    :meth:`LeanModel.forward_rows`: every sequence from column 0) leaves each row's length to its caller; its own
+    length is then the most columns any row has written, which :meth:`reserve` keeps when it grows.
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv: int, head_dim: int, dtype: torch.dtype,
@@ -380,8 +384,10 @@ class LeanModel:
     ``dtype`` is the matmul dtype (the weights'); norms, RoPE tables, the residual stream and the softmax
     statistics stay float32. ``kernels``: the compiled module of :func:`xpress.kernels.fused_cpu`, or None.
     Given one (float32, a Llama model), a forward of one sequence runs each decoder layer as one C++ call
-    (:meth:`_fused_block`), exact by the same construction; batches of several rows run the PyTorch layer
-    with the C++ kernel's products (:class:`Linear`). ``attention``: ``auto`` runs a fused bf16 layer's
+    (:meth:`_fused_block`), exact by the same construction; a left-padded batch of several rows (:meth:`forward`)
+    runs the PyTorch layer with the C++ kernel's products (:class:`Linear`), while a cache with one row per
+    sequence (:meth:`prefill_row`, :meth:`step_rows`, :meth:`forward_rows`) runs every row through the C++
+    layer, each bit for bit as alone. ``attention``: ``auto`` runs a fused bf16 layer's
     attention products in bf16 too (:attr:`tile_attention`: AMX tiles, or AVX512-BF16 without them),
     ``float32`` keeps them in float32.
     """
@@ -533,6 +539,7 @@ class LeanModel:
         n = ids.shape[0]
         view = cache.row(row)
         view.reserve(n)  # a row cannot grow: refuses a prompt longer than the cache
+        cache.length = max(cache.length, n)  # the columns some row holds (kept when a later step grows the cache)
         pos = torch.arange(n, device=ids.device)[None]  # [1, n]
         normed, feats = [], []
         for s in range(0, n, ROW_CHUNK):
@@ -546,14 +553,20 @@ class LeanModel:
 
     def step_rows(self, tokens: torch.Tensor, cache: StaticKV, rows: torch.Tensor, lengths: torch.Tensor,
                   feature_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One new token for each of m sequences: ``tokens`` [m] go after the ``lengths`` [m] cached columns of
-        rows ``rows`` [m] (distinct, int64) of ``cache``, whose keys and values they write at column
-        ``lengths[i]`` (the caller advances the lengths). Each token's numbers are bit for bit those of a
-        one-token :meth:`forward` of its sequence alone (``layer_rows`` in xpress/csrc/fused_cpu.cpp). Returns
-        the final-normed hidden states [m, H], the logits [m, V] float32 and the features [m, F] (or None)."""
+        """One forward of m tokens, each after the cached columns of its sequence's row: token i goes after the
+        ``lengths[i]`` columns of row ``rows[i]`` (int64 [m] each) of ``cache`` and writes its keys and values at
+        column ``lengths[i]`` (the caller keeps the lengths; the cache grows to hold them). ``layer_rows``
+        (xpress/csrc/fused_cpu.cpp) writes every token's keys and values before any attention and token i attends
+        to columns ``0..lengths[i]`` of its row, so the pairs (row, length) must be distinct but a row may repeat:
+        a row given at lengths ``L, L + 1, ..`` runs a causal block (:meth:`forward_rows`). Each token's numbers
+        are bit for bit those of a :meth:`forward` of its sequence alone. Returns the final-normed hidden states
+        [m, H], the logits [m, V] float32 and the features [m, F] float32 (or None)."""
         if self.kernels is None:
             raise RuntimeUnsupported("step_rows runs the fused kernels (target.kernels=fused, float32)")
-        rot = torch.view_as_real(self._rope_table(int(lengths.max()) + 1)[lengths]).contiguous()  # [m, hd / 2, 2]
+        top = int(lengths.max()) + 1
+        cache.reserve(top)  # copies the first cache.length columns: the most any row holds
+        cache.length = max(cache.length, top)
+        rot = torch.view_as_real(self._rope_table(top)[lengths]).contiguous()  # [m, hd / 2, 2]
         h = self.embed[tokens].float()  # [m, H]
         want = set(feature_layers or ())
         feats = {}
@@ -566,6 +579,30 @@ class LeanModel:
         normed = self.kernels.rms_norm(h, self.norm, self.eps).to(self.dtype)  # what the LM head reads
         logits = self.kernels.linear(normed.float(), self.lm_head_fused[0])
         return normed, logits, (torch.cat([feats[j] for j in feature_layers], -1) if feature_layers else None)
+
+    @torch.no_grad()
+    def forward_rows(self, input_ids: torch.Tensor, cache: StaticKV, lengths: torch.Tensor,
+                     feature_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``input_ids`` [b, n]: row i's n tokens after the ``lengths[i]`` (int64 [b]) cached columns of row i
+        of ``cache`` (one row per sequence, every sequence from column 0: no padding, no holes), writing their
+        keys and values at columns ``lengths[i] .. lengths[i] + n - 1`` (the caller advances the lengths by what it
+        keeps; columns past them are overwritten by the next forward). Positions are the columns. The n tokens are
+        flattened into one :meth:`step_rows` (causal within the block), in chunks of :data:`ROW_CHUNK` tokens per
+        row, so row i's numbers are bit for bit those of a :meth:`forward` of its sequence alone. Returns logits
+        [b, n, V] float32 and, with ``feature_layers``, the features [b, n, len(feature_layers) H] float32."""
+        b, n = input_ids.shape
+        dev = input_ids.device
+        logits, feats = [], []
+        for s in range(0, n, ROW_CHUNK):
+            e = min(n, s + ROW_CHUNK)
+            rows = torch.arange(b, device=dev).repeat_interleave(e - s)  # [b (e - s)]: row 0's tokens, row 1's, ..
+            at = (lengths[:, None] + torch.arange(s, e, device=dev)).reshape(-1)  # their columns
+            _, lg, f = self.step_rows(input_ids[:, s:e].reshape(-1), cache, rows, at, feature_layers)
+            logits.append(lg.view(b, e - s, -1))
+            if f is not None:
+                feats.append(f.view(b, e - s, -1))
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # noqa: E731
+        return cat(logits), (cat(feats) if feats else None)
 
     def _final_norm(self, h: torch.Tensor, fused: bool) -> torch.Tensor:
         """The final RMSNorm of h [b, n, H] float32 (the fused kernel's at batch 1), in the matmul dtype: what the

@@ -18,7 +18,9 @@ Two runtimes compute the target's forward (``cfg.target.runtime``, :func:`choose
 oneDNN, bf16 where the CPU has native bf16, float32 elsewhere, and a 16-token verify that reproduces 16
 one-token steps bit for bit) and the
 transformers model's own forward with a growing ``DynamicCache``. Every forward of the project goes through
-:func:`target_forward` or :func:`lm_logits`, so the autoregressive baseline and the speculative engine
+:func:`target_forward` or :func:`lm_logits` (or, for a batch with one cache row per sequence, the exact path of
+batched decoding on the fused kernels' lean runtime, :func:`per_row_cache`: :func:`new_row_cache`,
+:func:`prefill_rows`, :func:`forward_rows`), so the autoregressive baseline and the speculative engine
 always run the same one. With the lean runtime, ``Target.model`` (the transformers model, which drafters
 attach to and ``generate()`` runs) stays float32 on a CPU, holding the target's weights as the target
 computes with them (bf16 values, widened, when the lean runtime computes in bf16);
@@ -592,6 +594,53 @@ def target_forward(target: Target, input_ids: torch.Tensor, cache: Any = None,
     logits, features, cache = _model_call(target, input_ids, cache, position_ids, attention_mask,
                                            logits_to_keep, True)
     return TargetStep(logits=logits, features=features, cache=cache)
+
+
+def per_row_cache(target: Target) -> bool:
+    """Whether the target's forward can give every sequence of a batch its own cache row, from column 0 (no
+    padding, no holes), each row's numbers bit for bit those of a forward of that sequence alone: the lean
+    runtime on the fused CPU kernels (:meth:`xpress.runtime.LeanModel.forward_rows`), while its states are not
+    being recorded (regeneration's ``capture_target_states`` reads left-padded batches)."""
+    lean = target.runtime
+    return lean is not None and lean.kernels is not None and lean.capture is None
+
+
+def new_row_cache(target: Target, batch: int, capacity: int) -> Any:
+    """An empty cache with one row per sequence for ``batch`` sequences (:func:`per_row_cache`), ``capacity``
+    columns a row to start with (:func:`prefill_rows` needs the longest prompt's; :func:`forward_rows` grows it)."""
+    return target.runtime.new_cache(batch, capacity)
+
+
+def prefill_rows(target: Target, seqs: Sequence[Sequence[int]], cache: Any, hidden_states: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Run each of ``b`` token lists from position 0 into its own row of a per-row ``cache``
+    (:func:`new_row_cache`; :meth:`xpress.runtime.LeanModel.prefill_row`, chunked as a forward of the sequence
+    alone). Returns the logits after each sequence's last token [b, V] float32 (zeros for an empty one, which is
+    not run) and per sequence its features [n_i, F] in ``target.dtype`` (None without ``hidden_states`` or for an
+    empty one). The rows' lengths are the caller's to keep."""
+    lean = target.runtime
+    layers = target.layer_ids if hidden_states else None
+    logits = torch.zeros(len(seqs), target.vocab_size, device=lean.device)
+    feats: list[torch.Tensor | None] = []
+    for r, seq in enumerate(seqs):
+        f = None
+        if len(seq):
+            _, last, f = lean.prefill_row(torch.as_tensor(list(seq), dtype=torch.long), cache, r, layers)
+            logits[r] = last
+        feats.append(f.to(target.dtype) if f is not None else None)
+    return logits, feats
+
+
+def forward_rows(target: Target, input_ids: torch.Tensor, cache: Any, lengths: torch.Tensor,
+                 hidden_states: bool) -> TargetStep:
+    """One forward over ``input_ids`` [b, n] in a per-row cache (:func:`new_row_cache`): row i's tokens go after
+    its ``lengths[i]`` (int64 [b]) cached columns, causal within the block, each row bit for bit as alone
+    (:meth:`xpress.runtime.LeanModel.forward_rows`). Returns logits [b, n, V] float32 and, with
+    ``hidden_states``, the features [b, n, F] in ``target.dtype``."""
+    logits, features = target.runtime.forward_rows(input_ids, cache, lengths,
+                                                   target.layer_ids if hidden_states else None)
+    return TargetStep(logits=logits, features=features.to(target.dtype) if features is not None else None,
+                      cache=cache)
 
 
 def lm_logits(target: Target, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,

@@ -1239,11 +1239,14 @@ torch::Tensor layer(const torch::Tensor& h_in, const torch::Tensor& ln1, const t
   return decoder_layer(h_in, ln1, wqkv, wo, ln2, wgu, wd, nh, nkv, hd, eps, rotate, put_kv, attention);
 }
 
-// One decoder layer for m sequences of one new token each, every sequence with its own cache row: token i
-// belongs to row rows[i] of keys / values [B, nkv, cap, hd], whose first lengths[i] columns are its context;
-// its key and value go to column lengths[i]. Token i's arithmetic is exactly that of layer() for its sequence
-// alone (the same attend(), row-invariant products), so a batch of sequences decodes each one bit for bit as
-// a one-sequence step would, with any number of others beside it and no padding.
+// One decoder layer for m new tokens, every sequence with its own cache row: token i belongs to row rows[i] of
+// keys / values [B, nkv, cap, hd], whose first lengths[i] columns are its context; its key and value go to
+// column lengths[i]. Every token's key and value are written before any attention, and token i attends to
+// columns 0..lengths[i] of its row: a row may repeat at distinct lengths (L, L + 1, ..: a causal block of
+// several tokens of one sequence); the tasks write distinct outputs and columns. Token i's arithmetic is
+// exactly that of layer() for its sequence alone (the same attend(), row-invariant products), so a batch of
+// sequences decodes each one bit for bit as a one-sequence step or verify would, with any number of others
+// beside it and no padding.
 torch::Tensor layer_rows(const torch::Tensor& h_in, const torch::Tensor& ln1, const torch::Tensor& wqkv,
                          const torch::Tensor& wo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                          const torch::Tensor& wd, const torch::Tensor& rot, torch::Tensor keys, torch::Tensor values,

@@ -5,8 +5,12 @@ The prompts (``eval.batched_prompts``, taken round-robin over ``cfg.data.benchma
 mixes them) are decoded in consecutive groups of ``b``; for each group AR and every method run back to
 back (interleaved, as in Table 1). Throughput = tokens / wall seconds summed over the groups: the rows of
 one batched call overlap in time, so they are timed by the call's wall clock, never by summing rows.
-Batched rows decode as they would alone only up to floating-point reduction order (padding changes the
-shapes), so the share of outputs equal to AR at batch 1 is recorded, not asserted.
+On the lean runtime with the fused CPU kernels every batched row keeps its own cache row and computes the bits
+it would alone (:class:`xpress.decoding.RowKV`), so each equals AR at batch 1; on the other runtimes rows share a
+left-padded cache and decode as they would alone only up to floating-point reduction order. Either way the
+share of outputs equal to AR at batch 1 is recorded (``same_as_ar_b1``), not asserted, and each differing row's
+first divergence with the target's top-2 logit margin there (``divergences``: a near-tie decided by reduction
+order has a tiny margin, a bug a large one).
 
     python -m xpress.studies.batched --preset cpu     # writes results/<preset>/batched.{json,csv}
     torchrun --nproc_per_node N -m xpress.studies.batched --preset cpu    # the groups split over N processes
@@ -83,6 +87,17 @@ def throughput_table(runs: Sequence[dict]) -> list[dict]:
     return g.drop(columns="same").to_dict("records")
 
 
+def row_divergences(target, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                    reference: Sequence[Sequence[int]], first_row: int = 0) -> list[dict]:
+    """For each row whose output differs from ``reference`` (AR at batch 1, same prompts), where they part:
+    ``{"row": first_row + i, "position", "reference_token", "other_token", "top2_margin"}``
+    (:func:`xpress.bench.divergence`; ``position`` None where one output is a prefix of the other)."""
+    from ..bench import divergence
+
+    return [{"row": first_row + i, **(divergence(target, p, ref, out) or {"position": None})}
+            for i, (p, out, ref) in enumerate(zip(prompts, outputs, reference)) if out != ref]
+
+
 def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch_sizes: Sequence[int] | None = None,
                 n_prompts: int | None = None, max_new_tokens: int | None = None, untrained_ok: bool = False,
                 progress: bool = True, save: bool = True) -> dict[str, Any]:
@@ -136,6 +151,7 @@ def run_batched(cfg: Config, target, methods: Sequence[str] | None = None, batch
             if r["batch_size"] == b:
                 out = outputs[r["method"]][r["start"]:r["start"] + r["sequences"]]
                 r["same_as_ar_b1"] = sum(o == ref for o, ref in zip(out, reference[r["start"]:]))
+                r["divergences"] = row_divergences(target, ids[r["start"]:], out, reference[r["start"]:], r["start"])
     for r in runs:
         del r["outputs"]
     warnings = _all_warnings(load.stop())
