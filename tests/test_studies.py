@@ -32,18 +32,29 @@ def test_draft_length_study_rows_and_table(cfg, target, tmp_path, monkeypatch):
 
     monkeypatch.setattr(xpress.paths, "RESULTS", tmp_path)
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, prompts_per_benchmark=1, max_new_tokens=8, repeats=1))
-    res = run_draft_length(cfg, target, ks=(1, 0), methods=["dflash", "xpress"], progress=False, untrained_ok=True)
+    res = run_draft_length(cfg, target, ks=(1, 0, "auto"), methods=["dflash", "xpress"], progress=False,
+                           untrained_ok=True)
     B = cfg.drafter.block_size
     assert [(r["method"], r["k"]) for r in res["table"]] == [("ar", 0), ("dflash", 1), ("dflash", B - 1),
-                                                              ("xpress", 1), ("xpress", B - 1)]
+                                                              ("dflash", "auto"), ("xpress", 1), ("xpress", B - 1),
+                                                              ("xpress", "auto")]
+    for r in res["table"]:
+        if r["k"] == "auto":  # k = auto: its rounds' lengths, within 1 .. B - 1
+            r["k"] = B - 1  # (for the tau bound below)
+            assert 1 <= r["mean_draft_k"] <= B - 1
+    auto = res["auto_vs_best"]
+    assert set(auto) == {"dflash", "xpress"} and set(res["verify_costs"]) == {"dflash k=auto", "xpress k=auto"}
+    assert all(c["lo"] <= c["ratio"] <= c["hi"] and c["prompts"] == len(cfg.data.benchmarks) for c in auto.values())
     assert res["lossless_t0"] and all(1.0 <= r["tau"] <= r["k"] + 1 for r in res["table"] if r["method"] != "ar")
     assert (tmp_path / cfg.preset / "draft_length.json").is_file() and res["provenance"]["git_revision"]
     from xpress.report import _draft_length_section
 
     best = next(r for r in res["table"] if (r["method"], r["k"]) == (res["best"]["method"], res["best"]["k"]))
     ar = res["table"][0]
-    line = next(x for x in _draft_length_section(res) if x.startswith("Fastest"))
+    lines = _draft_length_section(res)
+    line = next(x for x in lines if x.startswith("Fastest"))
     assert f"({best['tokens_per_s']:.1f} tokens/s against AR's {ar['tokens_per_s']:.1f})" in line  # the method's rate
+    assert any(x.startswith("k = auto against") and f"{auto['xpress']['ratio']:.3f}x" in x for x in lines)
 
 
 def test_draft_length_command_line_takes_the_ks_and_names_a_bad_one(tmp_path, monkeypatch, capsys):

@@ -80,13 +80,13 @@ def no_checkpoints(tmp_path_factory):
 def prompts(target):
     from xpress.data import load_benchmark
 
-    return [encode_chat(target.tokenizer, rec["turns"][:1]) for rec in load_benchmark("gsm8k", limit=6)]
+    return [encode_chat(target.tokenizer, rec["turns"][:1]) for rec in load_benchmark("gsm8k", limit=4)]
 
 
 @pytest.mark.parametrize("method", MODEL_METHODS)
 def test_auto_stays_greedy_single_and_in_ragged_batches(method, cfg, target, prompts):
     """Costs that make the rows' lengths differ (each verify row costs a little more than the last): every
-    output equals greedy AR's, batch 1 and in batches of 3 whose rows verify different lengths."""
+    output equals greedy AR's, batch 1 and in a ragged batch whose rows verify different lengths."""
     reference = [generate_ar(target, p, MAX_NEW).token_ids for p in prompts]
     B = cfg.drafter.block_size
     costs = VerifyCosts(0.0, tuple(1.0 + 1e-4 * i for i in range(B)))
@@ -98,6 +98,5 @@ def test_auto_stays_greedy_single_and_in_ragged_batches(method, cfg, target, pro
         seen |= {k for ks in g.stats["draft_k"] for k in (ks if isinstance(ks, list) else [ks])}
         assert all(a <= B for a in g.accept_lengths)
     assert seen <= set(range(1, B)) and len(seen) > 1, f"{method}: lengths chosen {seen}"
-    for start in (0, 3):
-        gens = generate_speculative_batch(target, drafter, prompts[start:start + 3], MAX_NEW)
-        assert [g.token_ids for g in gens] == reference[start:start + 3]
+    gens = generate_speculative_batch(target, drafter, prompts, MAX_NEW)
+    assert [g.token_ids for g in gens] == reference

@@ -226,6 +226,12 @@ def _draft_length_section(dl: dict) -> list[str]:
     best = next(r for r in dl["table"] if (r["method"], r["k"]) == (b["method"], b["k"]))
     out += ["", f"Fastest: {b['method']} at k = {b['k']}, {b['speedup']:.2f}x AR ({best['tokens_per_s']:.1f} tokens/s "
                 f"against AR's {ar['tokens_per_s']:.1f}) with tau {b['tau']:.2f}.", ""]
+    auto = dl.get("auto_vs_best") or {}
+    if auto:  # k = auto: the verify length chosen per round (xpress.verify_length)
+        out += ["k = auto against each method's fastest fixed k (geometric mean over prompts of the paired speed ratio, "
+                "95% bootstrap interval): " + "; ".join(
+                    f"{m} {c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}] against k = {c['best_fixed_k']}"
+                    for m, c in auto.items()) + ".", ""]
     return out
 
 
