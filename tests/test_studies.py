@@ -271,3 +271,28 @@ def test_a_smoke_run_writes_only_under_its_preset(tmp_path):
     assert {"smoke/oracle_ceiling.json", "smoke/figures/probe.png"} <= {p.as_posix() for p in written}
     ceiling = json.loads((tmp_path / "smoke" / "oracle_ceiling.json").read_text())
     assert (ceiling["block_size"], ceiling["preset_block_size"]) == (4, 8)  # --block-size, not the preset's B
+
+
+def test_batch_cache_study_compares_the_two_caches(tmp_path, monkeypatch):
+    """Both caches decode the same groups; the per-row cache's rows all equal batch-1 AR; the ratio column is
+    rows over shared per repeat; a target without the fused kernels is one error naming the setting."""
+    import xpress.paths
+    from xpress import kernels
+    from xpress.config import load_config
+    from xpress.studies.batch_cache import run_batch_cache
+    from xpress.targets import load_target
+
+    if kernels.fused_cpu() is None:
+        pytest.skip(f"the fused CPU kernels are not built here: {kernels.status()['reason']}")
+    cfg = load_config("smoke", ["target.kernels=fused"])
+    target = load_target(cfg)
+    monkeypatch.setattr(xpress.paths, "RESULTS", tmp_path)
+    res = run_batch_cache(cfg, target, batch_sizes=[1, 3], n_prompts=3, max_new_tokens=6, repeats=3, progress=False)
+    assert [(r["batch_size"], r["cache"]) for r in res["table"]] == [(3, "rows"), (3, "shared")]
+    rows = res["table"][0]
+    assert rows["same_as_ar_b1"] == 1.0 and rows["divergences"] == []
+    assert rows["tokens_per_s_min"] <= rows["tokens_per_s"] <= rows["tokens_per_s_max"]
+    assert len(res["runs"]) == 3 * 2 and (tmp_path / cfg.preset / "batch_cache.json").is_file()
+    with pytest.raises(ValueError, match="target.kernels=fused"):
+        monkeypatch.setattr("xpress.targets.per_row_cache", lambda t: False)
+        run_batch_cache(cfg, target, progress=False, save=False)

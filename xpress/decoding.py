@@ -389,12 +389,23 @@ class RowKV:
             self.lengths += torch.as_tensor(list(counts)) if counts is not None else keep.sum(1).cpu()
 
 
-def batch_cache(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> RaggedKV | RowKV:
+CACHES = ("auto", "rows", "shared")  # batch_cache's kinds
+
+
+def batch_cache(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                kind: str = "auto") -> RaggedKV | RowKV:
     """The target cache of a batched call: one row per sequence (:class:`RowKV`: each row bit for bit as alone)
     where the target's forward keeps one (:func:`xpress.targets.per_row_cache`) and there are several prompts,
-    else the shared left-padded cache (:class:`RaggedKV`; at batch 1 the plain cache, never a hole)."""
+    else the shared left-padded cache (:class:`RaggedKV`; at batch 1 the plain cache, never a hole).
+    ``kind``: ``auto`` (that choice), ``shared`` (the shared cache whatever the target; the comparison of
+    :mod:`xpress.studies.batch_cache`) or ``rows`` (refused where the target cannot keep rows)."""
+    if kind not in CACHES:
+        raise ValueError(f"cache={kind!r}: use one of {', '.join(CACHES)}")
     b = len(prompts)
-    if b > 1 and per_row_cache(target):
+    rows = b > 1 and per_row_cache(target)
+    if kind == "rows" and not per_row_cache(target):
+        raise ValueError("cache='rows' needs the lean runtime on the fused CPU kernels (target.kernels=fused)")
+    if (rows and kind == "auto") or kind == "rows":
         return RowKV(target, b, max(len(p) for p in prompts) + max_new_tokens)
     return RaggedKV(b, target.device)
 
@@ -510,21 +521,22 @@ def _per_row(stats: dict[str, Any], b: int, read: dict[str, list] | None = None)
 @torch.inference_mode()
 def generate_ar_batch(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       temperature: float = 0.0, generator: torch.Generator | None = None,
-                      stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None) -> list[Generation]:
+                      stop_ids: Sequence[int] | None = None, on_round: OnRound | None = None,
+                      cache: str = "auto") -> list[Generation]:
     """Autoregressive decoding of ``b`` prompts (the target cache of :func:`batch_cache`): one target forward
     per token.
 
     Stops a row at an EOS/stop token (kept) or after ``max_new_tokens``; finished rows keep being fed
     (their results are frozen) until every row is done. Returns one :class:`Generation` per prompt.
     ``on_round(tokens, steps)`` (progress bars) is called after every step with the tokens it committed
-    and the rows it advanced.
+    and the rows it advanced. ``cache``: :func:`batch_cache`'s ``kind``.
     """
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
     b = len(prompts)
     rows = _Rows(prompts, AR_STAGES, dev)
     sw = stage_clock(dev)
-    kv = batch_cache(target, prompts, max_new_tokens)
+    kv = batch_cache(target, prompts, max_new_tokens, cache)
     stops = set(target.eos_token_ids) | set(stop_ids or ())
     ids, valid, pos = left_pad(prompts, dev)
     out = kv.prefill(target, ids, valid, pos, hidden_states=False)
@@ -577,21 +589,22 @@ def generate_speculative_batch(target: Target, drafter: Drafter, prompts: Sequen
                                max_new_tokens: int, temperature: float = 0.0,
                                generator: torch.Generator | None = None,
                                stop_ids: Sequence[int] | None = None,
-                               on_round: OnRound | None = None) -> list[Generation]:
+                               on_round: OnRound | None = None, cache: str = "auto") -> list[Generation]:
     """Speculative decoding of ``b`` prompts with ``drafter`` (ragged acceptance; the target cache of
     :func:`batch_cache`).
 
     Lossless: at T = 0 each row equals greedy :func:`generate_ar`; at T > 0 each row is distributed as
     autoregressive sampling from ``softmax(logits / T)`` (rejection sampling with the drafter's ``q``).
     Returns one :class:`Generation` per prompt. ``on_round(tokens, steps)`` (progress bars) is called
-    after every round with the tokens it committed and the rows it verified.
+    after every round with the tokens it committed and the rows it verified. ``cache``: :func:`batch_cache`'s
+    ``kind``.
     """
     _check_prompts(target, prompts, max_new_tokens)
     dev = target.device
     b = len(prompts)
     rows = _Rows(prompts, SPEC_STAGES, dev)
     sw = stage_clock(dev)
-    kv = batch_cache(target, prompts, max_new_tokens)
+    kv = batch_cache(target, prompts, max_new_tokens, cache)
     stops = _stop_tensor(target, stop_ids, dev)
     drafter.reset([list(p) for p in prompts])
     ctx, valid, ctx_pos = left_pad([p[:-1] for p in prompts], dev)
