@@ -863,15 +863,45 @@ def classes_markdown(preset: str, folder: Path | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def memory_markdown(preset: str) -> str:
+    """docs/gpu.md's check of the training-memory model (``results/<preset>/train_memory.json``): where and how
+    it was measured, and per method the measured peak, the prediction for those shapes and for the full width."""
+    tm = _load(paths.RESULTS / preset, "train_memory.json")
+    if tm is None:
+        return (f"No `results/{preset}/train_memory.json` yet: `python -m xpress bench train-memory --preset {preset} "
+                f"--shrink` writes it.\n")
+    sh, gb = tm["shapes"], 1e9
+    t = sh["target"]
+    first = next(iter(tm["methods"].values()))
+    lines = [f"Measured on {_where(tm['provenance'], dtype=False, rev=True)} (`{tm['provenance'].get('command', '')}`): "
+             f"a {first['target_dtype']} target of hidden {t['hidden']}, {t['layers']} layers and head width "
+             f"{t['head_dim']} (the widths divided by {sh['width_divisor']}), the drafter's {sh['drafter_layers']} layers, "
+             f"batch {sh['batch']} x {sh['anchors_per_seq']} anchors x B = {sh['block_size']}, length {sh['max_len']}, "
+             f"vocabulary {sh['vocab']:,}; {first['mixed_precision']} autocast; the loss's PyTorch operations (the "
+             f"GPU's path). Peak: {first['peak_measure']}."
+             + (f" Overrides: {', '.join(f'`{o}`' for o in tm['overrides'])}." if tm.get("overrides") else ""), "",
+             f"| method | measured peak | predicted | measured / predicted | predicted at full width ({tm['fits_gb']} GB: "
+             f"fits) | step seconds |", "|---|---|---|---|---|---|"]
+    for m, r in tm["methods"].items():
+        lines.append(f"| {m} | {r['peak_bytes'] / gb:.2f} GB | {r['predicted_bytes'] / gb:.2f} GB | "
+                     f"{r['measured_over_predicted']:.2f} | {r['full_width_predicted_bytes'] / gb:.1f} GB "
+                     f"({'yes' if r['full_width_fits_80gb'] else 'NO'}) | {r['step_seconds']:.0f} |")
+    base = [r["baseline_bytes"] / gb for r in tm["methods"].values()]
+    lines += ["", f"Each process's baseline (imports, before the step; part of the prediction): "
+                  + (f"{min(base):.2f} GB." if f"{min(base):.2f}" == f"{max(base):.2f}" else f"{min(base):.2f}-{max(base):.2f} GB.") + ("" if tm.get("complete") else " The run is incomplete.")]
+    return "\n".join(lines) + "\n"
+
+
 SECTIONS = {"results": results_markdown, "durations": durations_markdown, "glance": glance_markdown,
             "classes": classes_markdown, "training": training_markdown, "costs": costs_markdown,
-            "levers": levers_markdown}
+            "levers": levers_markdown, "memory": memory_markdown}
 
 
 def targets(preset: str) -> list[Path]:
     """The files whose marked sections :func:`render` fills for ``preset``."""
     root = paths.REPO_ROOT
-    return [README, root / "results" / preset / "README.md", root / "docs" / "training.md", root / "docs" / "inference.md"]
+    return [README, root / "results" / preset / "README.md", root / "docs" / "training.md", root / "docs" / "inference.md",
+            root / "docs" / "gpu.md"]
 
 
 def render(preset: str, text: str | None = None) -> str:
