@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite),
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, the batch cache, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite),
 # make setup-server (llama.cpp's OpenAI-compatible server, built from source in a few minutes: the slow suite's serving-engine test).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -58,6 +58,7 @@ studies: setup
 	for m in $(HEAD_METHODS); do for n in $(HEAD_STEPS); do $(BIN)/python -m xpress.studies.levers --preset $(PRESET) \
 		--method $$m --from-warm-start --decode-prompts 48 --steps $$n base || exit 1; done; done
 	$(BIN)/python -m xpress.studies.draft_length --preset $(PRESET) --draft-tokens 1,2,3,4,5,6,0,auto eval.repeats=2
+	$(BIN)/python -m xpress.studies.batch_cache --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.anchor_bias --preset $(PRESET) --prompts 48 --draft-tokens 3 0
 	$(BIN)/python -m xpress.studies.train_speed --preset $(PRESET) --steps 30
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)

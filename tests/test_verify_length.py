@@ -84,19 +84,49 @@ def prompts(target):
 
 
 @pytest.mark.parametrize("method", MODEL_METHODS)
-def test_auto_stays_greedy_single_and_in_ragged_batches(method, cfg, target, prompts):
-    """Costs that make the rows' lengths differ (each verify row costs a little more than the last): every
-    output equals greedy AR's, batch 1 and in a ragged batch whose rows verify different lengths."""
+def test_auto_stays_greedy_single_and_in_batches(method, cfg, target, prompts):
+    """Free verifies (every length costs the same: each row verifies the whole block) and steep ones (one draft a
+    round): every output equals greedy AR's, batch 1 and in a ragged batch."""
     reference = [generate_ar(target, p, MAX_NEW).token_ids for p in prompts]
     B = cfg.drafter.block_size
-    costs = VerifyCosts(0.0, tuple(1.0 + 1e-4 * i for i in range(B)))
-    drafter = _auto(cfg, target, method, costs)
-    seen = set()
-    for p, ref in zip(prompts, reference):
-        g = generate_speculative(target, drafter, p, MAX_NEW)
-        assert g.token_ids == ref
-        seen |= {k for ks in g.stats["draft_k"] for k in (ks if isinstance(ks, list) else [ks])}
-        assert all(a <= B for a in g.accept_lengths)
-    assert seen <= set(range(1, B)) and len(seen) > 1, f"{method}: lengths chosen {seen}"
+    for costs, length in ((VerifyCosts(0.0, (1.0,) * B), B - 1),
+                          (VerifyCosts(0.0, tuple(10.0 ** i for i in range(B))), 1)):
+        drafter = _auto(cfg, target, method, costs)
+        for p, ref in zip(prompts, reference):
+            g = generate_speculative(target, drafter, p, MAX_NEW)
+            assert g.token_ids == ref
+            assert {k for ks in g.stats["draft_k"] for k in (ks if isinstance(ks, list) else [ks])} == {length}
+        gens = generate_speculative_batch(target, drafter, prompts, MAX_NEW)
+        assert [g.token_ids for g in gens] == reference
+
+
+class RaggedLengths:
+    """A model drafter whose rows offer seeded random prefixes of its block (``Draft.lengths``), to check the
+    engine's per-row acceptance at T = 0 whatever lengths a rule picks."""
+
+    def __init__(self, drafter, seed: int = 0) -> None:
+        self.inner, self.block_size = drafter, drafter.block_size
+        self.g = torch.Generator().manual_seed(seed)
+        self.seen: set[int] = set()
+
+    def reset(self, prompt_ids):
+        self.inner.reset(prompt_ids)
+
+    def extend(self, *args):
+        self.inner.extend(*args)
+
+    def propose(self, anchor, anchor_pos, temperature, generator=None):
+        draft = self.inner.propose(anchor, anchor_pos, temperature, generator)
+        k = draft.tokens.shape[1]
+        draft.lengths = torch.randint(1, k + 1, (anchor.shape[0],), generator=self.g)
+        self.seen |= set(draft.lengths.tolist())
+        return draft
+
+
+def test_rows_that_verify_different_lengths_stay_greedy(cfg, target, prompts):
+    reference = [generate_ar(target, p, MAX_NEW).token_ids for p in prompts]
+    drafter = RaggedLengths(make_drafter("xpress", cfg, target, seed=0, untrained_ok=True))
     gens = generate_speculative_batch(target, drafter, prompts, MAX_NEW)
     assert [g.token_ids for g in gens] == reference
+    assert len(drafter.seen) > 1
+    assert all(a <= B for g in gens for a in g.accept_lengths for B in [cfg.drafter.block_size])

@@ -454,7 +454,8 @@ def _batched_section(b: dict) -> list[str]:
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
 STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
-               "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json", "draft_temperature.json")
+               "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json", "draft_temperature.json",
+               "batch_cache.json")
 
 
 def _study_files(preset: str) -> tuple[str, ...]:
@@ -873,7 +874,7 @@ def memory_markdown(preset: str) -> str:
     sh, gb = tm["shapes"], 1e9
     t = sh["target"]
     first = next(iter(tm["methods"].values()))
-    lines = [f"Measured on {_where(tm['provenance'], dtype=False, rev=True)} (`{tm['provenance'].get('command', '')}`): "
+    lines = [f"Measured on {_where(tm['provenance'], dtype=False)} (`{tm['provenance'].get('command', '')}`): "
              f"a {first['target_dtype']} target of hidden {t['hidden']}, {t['layers']} layers and head width "
              f"{t['head_dim']} (the widths divided by {sh['width_divisor']}), the drafter's {sh['drafter_layers']} layers, "
              f"batch {sh['batch']} x {sh['anchors_per_seq']} anchors x B = {sh['block_size']}, length {sh['max_len']}, "

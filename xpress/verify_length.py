@@ -71,14 +71,16 @@ def expected_tokens(confidence: torch.Tensor) -> torch.Tensor:
 
 def draft_lengths(confidence: torch.Tensor, costs: VerifyCosts) -> torch.Tensor:
     """Each row's k (module docstring) from the per-position confidences [b, P]: [b] int64 in 1 .. P, P
-    capped at the rows the costs cover. Row i continues to j + 1 while r_{j+1} > r_j."""
+    capped at the rows the costs cover. Row i goes on to j + 1 while r_{j+1} > r_j, compared as
+    ``g_{j+1} S_j > E_j (S_{j+1} - S_j)`` (g_{j+1} = prod_{l <= j+1} c_l, the expected gain of the next draft;
+    S_j = D + V(j + 1)) in float64, so a gain far below E_j's rounding still counts where the next row is free."""
     P = min(confidence.shape[1], len(costs.verify_s) - 1)
     if P <= 1:
         return torch.ones(confidence.shape[0], dtype=torch.int64, device=confidence.device)
-    e = expected_tokens(confidence[:, :P])  # [b, P]
-    seconds = torch.tensor([costs.round_s(j) for j in range(1, P + 1)], device=e.device)
-    rate = e / seconds  # [b, P]
-    go_on = (rate[:, 1:] > rate[:, :-1]).long().cumprod(1)  # [b, P - 1]: still climbing
+    gain = torch.cumprod(confidence[:, :P].double().clamp(0.0, 1.0), dim=1)  # [b, P]
+    e = 1.0 + gain.cumsum(dim=1)  # [b, P]: E_1 .. E_P
+    s = torch.tensor([costs.round_s(j) for j in range(1, P + 1)], dtype=torch.float64, device=e.device)  # [P]
+    go_on = (gain[:, 1:] * s[:-1] > e[:, :-1] * (s[1:] - s[:-1])).long().cumprod(1)  # [b, P - 1]: still climbing
     return 1 + go_on.sum(1)
 
 
