@@ -864,10 +864,11 @@ def classes_markdown(preset: str, folder: Path | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def memory_markdown(preset: str) -> str:
-    """docs/gpu.md's check of the training-memory model (``results/<preset>/train_memory.json``): where and how
-    it was measured, and per method the measured peak, the prediction for those shapes and for the full width."""
-    tm = _load(paths.RESULTS / preset, "train_memory.json")
+def memory_markdown(preset: str, folder: Path | None = None) -> str:
+    """docs/gpu.md's check of the training-memory model (the repository's ``results/<preset>/train_memory.json``,
+    whatever ``$XPRESS_RESULTS`` says): where and how it was measured, and per method the measured peak, the
+    prediction for those shapes and for the full width."""
+    tm = _load(folder or paths.REPO_ROOT / "results" / preset, "train_memory.json")
     if tm is None:
         return (f"No `results/{preset}/train_memory.json` yet: `python -m xpress bench train-memory --preset {preset} "
                 f"--shrink` writes it.\n")
