@@ -160,6 +160,7 @@ def _decode_all(methods, cfg_c, eager, compiled, max_new_tokens=10):
                 if d.head is not None:  # a fresh head is the identity: give the refiners something to do
                     randomize_(d.head, scale=3.0, generator=torch.Generator().manual_seed(3))
             assert pairs[0][1].compiled_refine is not None and pairs[0][0].compiled_refine is None
+            assert pairs[0][1].compiled_draft is not None and pairs[0][0].compiled_draft is None
         de, dc = pairs[0]
         a = decoding.generate_batch(eager, de, [prompt], max_new_tokens)[0]
         b = decoding.generate_batch(compiled, dc, [prompt], max_new_tokens)[0]

@@ -44,17 +44,20 @@ def uses_cuda_graphs(device: torch.device | str, backend: str) -> bool:
     return torch.device(device).type == "cuda" and backend == "inductor"
 
 
-def compile_fn(fn: Callable, device: torch.device | str, backend: str = "inductor") -> Callable:
+def compile_fn(fn: Callable, device: torch.device | str, backend: str = "inductor", dynamic: bool = False) -> Callable:
     """``torch.compile(fn)`` for fixed shapes (``dynamic=False``): ``mode="reduce-overhead"`` (CUDA graphs) on
     CUDA with inductor, plain ``backend`` elsewhere (a CPU: no graphs). With CUDA graphs the outputs live in
     the graph's memory, overwritten by the next replay, so the returned function marks a new step before
-    each call and returns copies of the output tensors."""
+    each call and returns copies of the output tensors. ``dynamic=True`` (shapes that change every call, such
+    as the drafter's growing context): compiled with symbolic shapes and never graphed."""
     import torch._dynamo
 
     cfg = torch._dynamo.config
     cfg.cache_size_limit = max(cfg.cache_size_limit, RECOMPILE_LIMIT)
     if hasattr(cfg, "recompile_limit"):
         cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    if dynamic:
+        return torch.compile(fn, backend=backend, dynamic=True)
     if not uses_cuda_graphs(device, backend):
         return torch.compile(fn, backend=backend, dynamic=False)
     compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)

@@ -88,18 +88,27 @@ class ModelDrafter:
         self.fingerprint: str | None = None  # checkpoint_fingerprint() of the folder it was loaded from
         self.context: ContextCache | None = None  # set by reset()
         self.compiled_refine = None  # compile(): the fixed-pass rollout, torch.compile'd
+        self.compiled_draft = None  # compile(): the drafter's forward and base readout, torch.compile'd
 
     def compile(self, backend: str = "inductor") -> "ModelDrafter":
-        """Refine with the fixed-pass rollout (:meth:`fixed_refine`), ``torch.compile``'d for its fixed shapes
-        (a CUDA graph on CUDA: :func:`xpress.compiled.compile_fn`); the compiled harness (``decode.compile``)
-        calls it. The tokens are those of the adaptive refinement (:func:`xpress.jacobi.jacobi_rollout`). The
-        drafter's own forward stays eager (its context grows every round). ``refine="sequential"`` keeps the
-        eager path."""
+        """The compiled harness (``decode.compile``): refine with the fixed-pass rollout (:meth:`fixed_refine`),
+        ``torch.compile``'d for its fixed shapes (a CUDA graph on CUDA: :func:`xpress.compiled.compile_fn`; the
+        tokens are those of the adaptive refinement, :func:`xpress.jacobi.jacobi_rollout`), and draft with
+        :meth:`draft_block` compiled with symbolic shapes (the context grows every round, so no graph).
+        ``refine="sequential"`` keeps the eager refinement."""
         from .compiled import compile_fn
 
         if self.refine == "jacobi":
             self.compiled_refine = compile_fn(self.fixed_refine, self.device, backend)
+        self.compiled_draft = compile_fn(self.draft_block, self.device, backend, dynamic=True)
         return self
+
+    def draft_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                    context: ContextCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's block after ``anchor`` [b] at ``anchor_pos`` [b]: its states h [b, P, H] and the base
+        logits [b, k, Vd] of the first k = ``draft_tokens`` positions."""
+        h = self.drafter(anchor[:, None], anchor_pos[:, None], context)[:, 0, 1:]  # [b, P, H]
+        return h, self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)
 
     @property
     def device(self) -> torch.device:
@@ -130,8 +139,7 @@ class ModelDrafter:
             raise RuntimeError("call reset() before propose()")
         sw = stage_clock(self.device)  # on CUDA: event spans, read back by the caller
         with sw("draft"):
-            h = self.drafter(anchor[:, None], anchor_pos[:, None], self.context)[:, 0, 1:]  # [b, P, H]
-            base = self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)  # [b, k, Vd]: the k returned
+            h, base = (self.compiled_draft or self.draft_block)(anchor, anchor_pos, self.context)  # [b, P, H], [b, k, Vd]
         with sw("refine"):
             result = self.refine_block(h, base, anchor, temperature, generator)
             stats = {"iters": result.iters}
