@@ -103,12 +103,13 @@ class ModelDrafter:
         self.compiled_draft = compile_fn(self.draft_block, self.device, backend, dynamic=True)
         return self
 
-    def draft_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
-                    context: ContextCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, context: ContextCache,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's block after ``anchor`` [b] at ``anchor_pos`` [b]: its states h [b, P, H] and the base
-        logits [b, k, Vd] of the first k = ``draft_tokens`` positions."""
+        logits [b, k, Vd] of the first ``k`` positions (k passed in: copies that share the networks, as
+        :func:`xpress.studies.draft_length.at_lengths` makes, share this compiled function too)."""
         h = self.drafter(anchor[:, None], anchor_pos[:, None], context)[:, 0, 1:]  # [b, P, H]
-        return h, self.drafter.base_logits(h[:, :self.draft_tokens], self.vocab)
+        return h, self.drafter.base_logits(h[:, :k], self.vocab)
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +140,8 @@ class ModelDrafter:
             raise RuntimeError("call reset() before propose()")
         sw = stage_clock(self.device)  # on CUDA: event spans, read back by the caller
         with sw("draft"):
-            h, base = (self.compiled_draft or self.draft_block)(anchor, anchor_pos, self.context)  # [b, P, H], [b, k, Vd]
+            h, base = (self.compiled_draft or self.draft_block)(anchor, anchor_pos, self.context,
+                                                                self.draft_tokens)  # [b, P, H], [b, k, Vd]
         with sw("refine"):
             result = self.refine_block(h, base, anchor, temperature, generator)
             stats = {"iters": result.iters}
