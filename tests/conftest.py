@@ -23,6 +23,28 @@ def _float32_drafter_products():
     yield
 
 
+@pytest.fixture(scope="module")
+def no_checkpoints(tmp_path_factory):
+    """Model drafters start from fresh seeded weights, whatever lies in this machine's checkpoints/ (a module
+    takes it with ``pytestmark = pytest.mark.usefixtures("no_checkpoints")``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paths, "CHECKPOINTS", tmp_path_factory.mktemp("checkpoints"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP's spinning threads
+    slow them down many times over (measured: 33 s -> 5 min). Restored afterwards (a module takes it with
+    ``pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def cfg():
     return load_config("smoke")

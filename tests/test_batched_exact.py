@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import xpress.paths
 from xpress import kernels
 from xpress import runtime as rt
 from xpress.config import load_config
@@ -28,22 +27,7 @@ METHODS = ("dflash", "markov", "xpress")
 # head width 32: the bf16 layer's attention runs on the AMX tiles (or with AVX512-BF16) too; 16 keeps it float32
 WIDE_HEADS = ["target.random_hidden=128", "target.random_heads=4", "target.random_kv_heads=2"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def no_checkpoints(tmp_path_factory):
-    """Model drafters start from fresh seeded weights here, whatever lies in this machine's checkpoints/."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(xpress.paths, "CHECKPOINTS", tmp_path_factory.mktemp("checkpoints"))
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread on a busy 2-core machine; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("no_checkpoints", "one_thread")
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-tiles"])

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-import xpress.paths
 from xpress import decoding
 from xpress.config import load_config
 from xpress.decoding import (RaggedKV, generate_ar, generate_ar_batch, generate_conversation,
@@ -26,6 +25,8 @@ BENCHMARKS = ("gsm8k", "math500", "humaneval", "mt-bench")
 PER_BENCHMARK = 13  # 52 prompts
 MAX_NEW = 14
 CPU_MAX_NEW = 16
+
+pytestmark = pytest.mark.usefixtures("no_checkpoints", "one_thread")
 
 
 class NoisyOracle:
@@ -63,24 +64,6 @@ def make(method: str, cfg, target) -> Drafter:
     if method == "noisy":
         return NoisyOracle(target, cfg.drafter.block_size)
     return make_drafter(method, cfg, target, seed=0, untrained_ok=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_checkpoints(tmp_path_factory):
-    """Model drafters start from fresh seeded weights here, whatever lies in this machine's checkpoints/."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(xpress.paths, "CHECKPOINTS", tmp_path_factory.mktemp("checkpoints"))
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy 2-core machine OpenMP's spinning
-    threads slow them down many times over (measured: 33 s -> 5 min). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_smoke_target_output_depends_on_the_prompt(reference):

@@ -27,19 +27,12 @@ TEMPERATURE = 0.8
 N = 20_000
 N_TOKENS = 3
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _wrong_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """A classic bug: on rejection, resample from p itself (biased towards tokens q over-proposes)."""
     return p
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A micro model gains nothing from a second thread; a busy 2-core machine makes it much slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from statistics import median
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -60,13 +60,6 @@ class VerifyCosts:
     def to_record(self) -> dict[str, Any]:
         return {"draft_ms": 1e3 * self.draft_s, "verify_ms": [1e3 * v for v in self.verify_s],
                 "source": self.source}
-
-
-def expected_tokens(confidence: torch.Tensor) -> torch.Tensor:
-    """E_j for j = 1 .. P from the per-position confidences [b, P] (each in [0, 1]): [b, P] float32,
-    column j - 1 the expected tokens committed by a round that verifies the first j drafts."""
-    c = confidence.float().clamp(0.0, 1.0)
-    return 1.0 + torch.cumprod(c, dim=1).cumsum(dim=1)
 
 
 def draft_lengths(confidence: torch.Tensor, costs: VerifyCosts) -> torch.Tensor:
@@ -145,11 +138,3 @@ def calibrate(target: Any, drafter: Any, context: int = CALIBRATION_CONTEXT,
         verify = tuple(median(times[n]) for n in range(1, B + 1))
         memo[B] = verify
     return VerifyCosts(median(draft), verify, f"calibrate(context={context}, repeats={repeats})")
-
-
-def summarize_choices(ks: Sequence[int]) -> dict[str, Any]:
-    """How often each k was chosen: ``{"mean": ..., "counts": {k: n}}``."""
-    counts: dict[int, int] = {}
-    for k in ks:
-        counts[int(k)] = counts.get(int(k), 0) + 1
-    return {"mean": (sum(ks) / len(ks)) if ks else None, "counts": dict(sorted(counts.items()))}
