@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make reproduce   set up .venv, run every notebook on the embedded default (PRESET=cpu)
 #   make test        set up .venv, then pytest over tests/ and the notebooks on the smoke preset
-# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, the batch cache, teacher forcing against decoding), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite),
+# Also: make studies (what feeds no table of the paper: the oracle ceiling, the levers, the verify length, the batch cache, teacher forcing against decoding, the math domain, the gain against drafter strength), make lab (JupyterLab on notebooks/ with the xpress kernel), make test-slow (cpu-preset suite),
 # make setup-server (llama.cpp's OpenAI-compatible server, built from source in a few minutes: the slow suite's serving-engine test).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -43,13 +43,17 @@ reproduce: setup
 # timed side by side, and how much of the answers each draft vocabulary size reaches.
 # Co-training levers (HEAD_LEVERS, at the preset's co-training steps) start from make reproduce's trained warm
 # start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
-# co-training-steps curve).
+# co-training-steps curve). The math domain (configs/cpu-math.yaml: the target's answers to GSM8K and MATH train
+# prompts only): its data and drafters, tau at the full block on 48 prompts of each test set (T = 0 and 1), the
+# ratios at the preset's verify length, Table 1 against AR; then the refiner's gain against the drafter's strength
+# over every trained configuration of both presets (gain_vs_strength.json).
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
 	train.anchors_per_seq=32 train.tv_weight=0
 HEAD_LEVERS ?= base train.gamma=2
 HEAD_STEPS ?= 3600
 HEAD_METHODS ?= xpress markov dflash
+MATH_PRESET ?= cpu-math
 studies: setup
 	$(BIN)/python -m xpress bench oracle-ceiling --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.levers --preset $(PRESET) --steps $(LEVER_STEPS) $(LEVERS)
@@ -64,11 +68,17 @@ studies: setup
 	$(BIN)/python -m xpress.studies.regen_speed --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.vocab_reach --preset $(PRESET)
 	$(BIN)/python -m xpress.studies.draft_temperature --preset $(PRESET)
+	$(BIN)/python -m xpress regenerate --preset $(MATH_PRESET)
+	for m in dflash markov xpress; do $(BIN)/python -m xpress train --preset $(MATH_PRESET) --method $$m || exit 1; done
+	$(BIN)/python -m xpress.studies.gain_strength --preset $(MATH_PRESET) --configs $(MATH_PRESET) --prompts 48
+	$(BIN)/python -m xpress.studies.resolution --preset $(MATH_PRESET)
+	$(BIN)/python -m xpress.studies.table1 --preset $(MATH_PRESET)
+	$(BIN)/python -m xpress.studies.gain_strength --preset $(PRESET) --configs $(PRESET),$(MATH_PRESET) --prompts 16
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \
 		XPRESS_DATA=$(CURDIR)/.cache/test-data $(BIN)/python -m pytest -m "not slow" --nbval-lax --nbval-kernel-name $(KERNEL) \
-		--nbval-cell-timeout 900 tests notebooks $(PYTEST_ARGS)
+		--nbval-cell-timeout 900 --durations=15 tests notebooks $(PYTEST_ARGS)
 
 test-slow: setup-server
 	$(BIN)/python -m pytest -m slow tests $(PYTEST_ARGS)

@@ -70,7 +70,7 @@ def test_no_results_no_figures(results):
     drawn, missing = draw_all("p")
     assert drawn == [] and set(missing) == {"training_curves", "training_acceptance", "validation_tau", "table1",
                                           "resolution", "tau_vs_k", "latency", "batched", "target_cost", "data_scaling",
-                                          "levers", "cotraining_steps", "refiner_cost"}
+                                          "levers", "cotraining_steps", "refiner_cost", "gain_vs_strength"}
 
 
 def test_every_figure_from_synthetic_files(results):
@@ -98,12 +98,22 @@ def test_every_figure_from_synthetic_files(results):
                               + [{"lever": "base", "steps": n, "method": m, "init": "warmstart", "train_response_tokens": 900,
                                   "val_tf_tau": 2 + n / 1000, "val_tau": 1.8 + n / 2000} for m in ("dflash", "xpress")
                                  for n in (6, 18)]})
+    confs = [{"name": n, "taus": [{"temperature": 0.0, "method": "dflash", "bench": "avg", "tau": t}],
+              "positions": [{"temperature": 0.0, "method": m, "bench": "all", "positions": [
+                  {"position": j, "rate": 0.5 / j} for j in (1, 2, 3)]} for m in ("dflash", "xpress")],
+              "k_sweep": [{"K": k, "ratio_dflash": 1 + k / 50, "lo": 1.0, "hi": 1.1} for k in (1, 2)]}
+             for n, t in (("weak", 1.5), ("strong", 2.5))]
+    write(results, "gain_vs_strength", {
+        "configurations": confs, "benchmarks": ["a"], "prompts_per_benchmark": 4, "draft_tokens": 3,
+        "temperatures": [0.0, 1.0], "points": [
+            {"configuration": c["name"], "temperature": t, "bench": b, "tau_dflash": c["taus"][0]["tau"] + 0.1 * (b == "a"),
+             "ratio_dflash": 1.05, "lo_dflash": 1.0, "hi_dflash": 1.1} for c in confs for t in (0.0, 1.0) for b in ("a", "avg")]})
     drawn, missing = draw_all("p")
     assert missing == [] and [d.name for d in drawn] == ["refiner_cost", "training_curves", "training_acceptance",
                                                          "validation_tau",
                                                          "table1", "resolution", "tau_vs_k",
                                                          "latency", "batched", "target_cost", "data_scaling", "levers",
-                                                         "cotraining_steps"]
+                                                         "cotraining_steps", "gain_vs_strength"]
     assert all("json" in d.caption for d in drawn)          # every caption names the data it was drawn from
     for d in drawn:
         assert (results / "figures" / f"{d.name}.png").stat().st_size > 0

@@ -418,10 +418,13 @@ def _log(root: Path, stage: str) -> list[dict]:
 
 
 def test_resume_is_exact(root, data, monkeypatch):
-    """4 steps at once == a warm start, then 1 co-training step, stop, resume to 4 (bit for bit)."""
+    """4 steps at once == a warm start, then 1 co-training step, stop, resume to 4 (bit for bit); the run at
+    once keeps a snapshot at co-training step 1 (``train.snapshot_steps``, not signed) equal to the stopped
+    run's checkpoint there."""
     cfg = small("train.warm_start_steps=2")
     a = _where(monkeypatch, root, "resume-a")
-    full = train(cfg, "xpress", progress=False, overwrite=True)
+    full = train(small("train.warm_start_steps=2", "train.snapshot_steps=[1]"), "xpress", progress=False, overwrite=True)
+    assert sorted(p.name for p in a.iterdir()) == ["warmstart", "xpress", "xpress-step1"]
     assert full["warmstart"]["complete"] and full["xpress"]["complete"] and full["xpress"]["step"] == 4
     from xpress.runtime import native_bf16
     from xpress.train.loop import resolve_mixed_precision
@@ -436,6 +439,8 @@ def test_resume_is_exact(root, data, monkeypatch):
     part = train(cfg, "xpress", progress=False, overwrite=True, stop_after=3)
     assert part["warmstart"]["complete"] and part["xpress"]["step"] == 1 and not part["xpress"]["complete"]
     assert json.loads((b / "xpress" / "train_state.json").read_text())["step"] == 1
+    snap = _tensors(a / "xpress-step1")
+    assert snap.keys() == _tensors(b / "xpress").keys() and all(torch.equal(v, _tensors(b / "xpress")[k]) for k, v in snap.items())
     rest = train(cfg, "xpress", progress=False)
     assert rest["warmstart"]["skipped"] and rest["xpress"]["step"] == 4 and rest["xpress"]["complete"]
 

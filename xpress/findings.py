@@ -169,6 +169,86 @@ def cotraining(preset: str, methods: Sequence[str] = METHODS) -> str:
     return _bullets(lines)
 
 
+def _later_gain(result_conf: dict, bench: str, t: float) -> tuple[float | None, float | None, float | None]:
+    """(dFlash's acceptance at position 1, and xPress's and dFlash's pooled acceptance at positions 2..B-1
+    given the previous one accepted) of one configuration's ``bench`` at temperature ``t``."""
+    pos = {p["method"]: p["positions"] for p in result_conf["positions"]
+           if p["temperature"] == t and p.get("bench", "all") == bench}
+    if not {"dflash", "xpress"} <= set(pos):
+        return None, None, None
+
+    def later(m):
+        reached = sum(q["reached"] for q in pos[m][1:])
+        return sum(q["accepted"] for q in pos[m][1:]) / reached if reached else None
+
+    return pos["dflash"][0]["rate"], later("xpress"), later("dflash")
+
+
+def gain_strength(preset: str) -> str:
+    """``gain_vs_strength.json`` (``make studies``): whether tau(xPress) / tau(dFlash) grows with tau(dFlash),
+    where along the block the refiner gains, and the benchmark whose drafter is strongest against the one
+    with the largest gain."""
+    r = load_result(preset, "gain_vs_strength")
+    if not r or not r.get("points"):
+        return f"No results/{preset}/gain_vs_strength.json: run `make studies` (xpress.studies.gain_strength)."
+    confs = r["configurations"]
+    lines = [f"{_n(len(confs), 'trained configuration')}, each decoded on {_n(r['prompts_per_benchmark'], 'prompt')} of each of "
+             f"{', '.join(r['benchmarks'])} with the full block ({r['draft_tokens']} drafts): "
+             + "; ".join(f"{c['name']} ({c['made']['domain']} answers, "
+                         f"{_num(c['made']['train_response_tokens'], ',')} tokens, {c['made']['cotrain_steps']} "
+                         f"co-training steps)" for c in confs) + "."]
+    avg = [p for p in r["points"] if p["bench"] == "avg"]
+    for t in r["temperatures"]:
+        pts = sorted((p for p in avg if p["temperature"] == t), key=lambda p: p["tau_dflash"])
+        if not pts:
+            continue
+        lo, hi = pts[0], pts[-1]
+        tr = next((x for x in r["trend"] if x["temperature"] == t and x["baseline"] == "dflash"), None)
+        if tr is None or tr["spearman"] is None:
+            how = "no trend can be computed"
+        else:
+            word = ("grows with" if tr["spearman"] > 0 else "falls with") if tr["p_value"] < 0.05 else \
+                "shows no resolved trend with"
+            how = (f"over the {tr['points']} per-benchmark points the ratio {word} tau(dFlash) (Spearman "
+                   f"{tr['spearman']:+.2f}, p = {tr['p_value']:.2g}; {tr['slope_per_tau']:+.3f} per unit of tau)")
+        lines.append(f"T = {t:g}: from the weakest configuration ({lo['configuration']}, tau(dFlash) {lo['tau_dflash']:.2f}) "
+                     f"to the strongest ({hi['configuration']}, {hi['tau_dflash']:.2f}), tau(xPress) / tau(dFlash) moves "
+                     f"{lo['ratio_dflash']:.3f} [{lo['lo_dflash']:.3f}, {lo['hi_dflash']:.3f}] -> {hi['ratio_dflash']:.3f} "
+                     f"[{hi['lo_dflash']:.3f}, {hi['hi_dflash']:.3f}] and / tau(Markov) {lo.get('ratio_markov', float('nan')):.3f} "
+                     f"-> {hi.get('ratio_markov', float('nan')):.3f}; {how}.")
+    paper = PAPER_AVG[0.0]
+    strongest = max((p for p in avg if p["temperature"] == 0.0), key=lambda p: p["tau_dflash"], default=None)
+    if strongest:
+        lines.append(f"The paper (Qwen3-8B, T = 0) has tau(dFlash) {paper['dflash']['tau']} and a ratio of "
+                     f"{paper['xpress']['tau'] / paper['dflash']['tau']:.2f}; the strongest drafter here reaches tau "
+                     f"{strongest['tau_dflash']:.2f} with {strongest['ratio_dflash']:.3f}, so "
+                     + ("the trend points the paper's way but the drafters stay far weaker than its." if
+                        strongest["ratio_dflash"] < paper["xpress"]["tau"] / paper["dflash"]["tau"] else
+                        "this repository's gain matches or passes the paper's."))
+    conf = next((c for c in reversed(confs) if strongest and c["name"] == strongest["configuration"]), confs[-1])
+    first, later_x, later_d = _later_gain(conf, "all", 0.0)
+    if first is not None and later_x is not None and later_d is not None:
+        lines.append(f"Where it gains ({conf['name']}, T = 0): dFlash accepts its first draft in {first:.0%} of rounds; "
+                     f"at positions 2..{r['draft_tokens']}, given the previous one accepted, xPress accepts "
+                     f"{later_x:.0%} against dFlash's {later_d:.0%}, so the refiner's gain is in the later positions, "
+                     f"which a round reaches only after the first ones are accepted.")
+    benches = [p for p in r["points"] if p["configuration"] == conf["name"] and p["temperature"] == 0.0
+               and p["bench"] != "avg"]
+    if len(benches) >= 2:
+        strong = max(benches, key=lambda p: p["tau_dflash"])
+        gain = max(benches, key=lambda p: p["ratio_dflash"])
+        if strong["bench"] != gain["bench"]:
+            parts = []
+            for p in (strong, gain):
+                f1, lx, ld = _later_gain(conf, p["bench"], 0.0)
+                parts.append(f"{p['bench']}: tau(dFlash) {p['tau_dflash']:.2f}, ratio {p['ratio_dflash']:.3f}, first "
+                             f"draft accepted {_num(f1, '.0%')}, later positions {_num(ld, '.0%')} -> {_num(lx, '.0%')}")
+            lines.append("The benchmark with the strongest drafter is not the one with the largest gain (" +
+                         "; ".join(parts) + "): tau rises with the first positions' acceptance, the ratio with how "
+                         "much the refiner adds at the later ones.")
+    return _bullets(lines)
+
+
 def _verdict(lo: float, hi: float) -> str:
     return "beats" if lo > 1 else ("trails" if hi < 1 else "cannot be told apart from")
 

@@ -658,18 +658,87 @@ def draw_cotraining_steps(preset: str) -> Drawn | None:
                  "Data: levers.json (make studies: HEAD_LEVERS, HEAD_STEPS).")
 
 
+def plot_gain_strength(result: dict):
+    """Three panels from ``gain_vs_strength.json``: (a) tau(xPress) / tau(dFlash) against tau(dFlash), one point
+    per configuration and benchmark (filled: the average over benchmarks), colour by configuration, marker by
+    temperature, 95% intervals; (b) acceptance at each draft position given the previous one accepted, per
+    method, for the weakest and the strongest configuration at T = 0; (c) the ratio against the Jacobi
+    budget K at T = 0, per configuration."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(result["points"])
+    configs = [c["name"] for c in result["configurations"]]
+    colours = dict(zip(configs, sns.color_palette("viridis", len(configs))))
+    markers = {t: m for t, m in zip(sorted(df["temperature"].unique()), ("o", "^", "s"))}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    ax = axes[0]
+    for (name, t), d in df.groupby(["configuration", "temperature"], sort=False):
+        for avg, dd in d.groupby(d["bench"] == "avg"):
+            ax.errorbar(dd["tau_dflash"], dd["ratio_dflash"],
+                        yerr=[dd["ratio_dflash"] - dd["lo_dflash"], dd["hi_dflash"] - dd["ratio_dflash"]],
+                        fmt=markers[t], ms=8 if avg else 5, mfc=colours[name] if avg else "none", c=colours[name],
+                        capsize=2, lw=0.8, label=f"{name}, T = {t:g}" if avg else None)
+    ax.axhline(1.0, c="k", lw=1)
+    ax.set_xlabel("tau(dFlash), full block")
+    ax.set_ylabel("tau(xPress) / tau(dFlash)")
+    ax.set_title("(a) the gain against the drafter's strength\n(filled: average; hollow: one benchmark)")
+    ax.legend(fontsize=7, loc="best", frameon=False)
+    strength = {c["name"]: next((r["tau"] for r in c["taus"] if r["temperature"] == 0.0 and r["method"] == "dflash"
+                                 and r["bench"] == "avg"), 0.0) for c in result["configurations"]}
+    ends = sorted(strength, key=strength.get)
+    ends = [ends[0], ends[-1]] if len(ends) > 1 else ends
+    pos = [{"configuration": c["name"], "method": p["method"], "position": q["position"], "rate": q["rate"]}
+           for c in result["configurations"] if c["name"] in ends for p in c["positions"]
+           if p["temperature"] == 0.0 and p.get("bench", "all") == "all" for q in p["positions"] if q["rate"] is not None]
+    if pos:
+        sns.lineplot(data=pd.DataFrame(pos), x="position", y="rate", hue="method", style="configuration",
+                     style_order=ends, markers=True, ax=axes[1])
+        axes[1].legend(fontsize=7, frameon=False)
+    axes[1].set_xlabel("draft position j")
+    axes[1].set_ylabel("P(j accepted | j - 1 accepted)")
+    axes[1].set_title("(b) where the refiner gains, T = 0\n(weakest and strongest configuration)")
+    ks = [{"configuration": c["name"], **k} for c in result["configurations"] for k in c.get("k_sweep", [])]
+    if ks:
+        kd = pd.DataFrame(ks)
+        for name, d in kd.groupby("configuration", sort=False):
+            axes[2].errorbar(d["K"], d["ratio_dflash"], yerr=[d["ratio_dflash"] - d["lo"], d["hi"] - d["ratio_dflash"]],
+                             marker="o", c=colours[name], capsize=2, label=name)
+        axes[2].set_xticks(sorted(kd["K"].unique()))
+        axes[2].legend(fontsize=7, frameon=False)
+    axes[2].axhline(1.0, c="k", lw=1)
+    axes[2].set_xlabel("Jacobi budget K")
+    axes[2].set_ylabel("tau(xPress) / tau(dFlash), average")
+    axes[2].set_title("(c) the ratio against K, T = 0")
+    fig.tight_layout()
+    return fig
+
+
+def draw_gain_strength(preset: str) -> Drawn | None:
+    result = load_result(preset, "gain_vs_strength")
+    if not result or not result.get("points"):
+        return None
+    return Drawn("gain_vs_strength", plot_gain_strength(result),
+                 f"The refiner's gain against the drafter's strength: {len(result['configurations'])} trained "
+                 f"configurations x {len(result['benchmarks'])} benchmarks, {result['prompts_per_benchmark']} prompts "
+                 f"each, full block ({result['draft_tokens']} drafts), T = 0 (replayed) and T = "
+                 f"{result['temperatures'][-1]:g} (decoded), paired bootstrap 95% intervals over prompts. "
+                 f"Data: gain_vs_strength.json, from {result.get('command', 'make studies')}.")
+
+
 DRAWERS = {"refiner_cost": draw_refiner_cost, "training_curves": draw_training, "training_acceptance": draw_training_acceptance,
            "validation_tau": draw_validation_tau, "table1": draw_table1, "resolution": draw_resolution,
            "tau_vs_k": draw_tau_vs_k, "latency": draw_latency, "batched": draw_batched,
            "target_cost": draw_target_cost, "data_scaling": draw_data_scaling, "levers": draw_levers,
-           "cotraining_steps": draw_cotraining_steps}
+           "cotraining_steps": draw_cotraining_steps, "gain_vs_strength": draw_gain_strength}
 # Figures no results file holds the data of: notebook 07 shows the copy the notebook saved.
 SAVED_ONLY = {"regeneration": "notebook 01, from the regenerated data under data/<preset>/ (not committed)",
               "refiner_dependency": "notebook 02, from the Jacobians of random refiners built in the notebook"}
 MADE_BY = {"training_curves": "notebook 03", "training_acceptance": "notebook 03", "validation_tau": "notebook 03",
            "table1": "notebook 04", "resolution": "notebook 04", "target_cost": "notebook 04", "tau_vs_k": "notebook 05",
            "latency": "notebook 05", "batched": "notebook 06", "data_scaling": "make studies", "levers": "make studies",
-           "cotraining_steps": "make studies", "refiner_cost": "notebook 02", **{k: v.split(",")[0] for k, v in SAVED_ONLY.items()}}
+           "cotraining_steps": "make studies", "gain_vs_strength": "make studies", "refiner_cost": "notebook 02", **{k: v.split(",")[0] for k, v in SAVED_ONLY.items()}}
 
 
 def draw_all(preset: str, save: bool = True) -> tuple[list[Drawn], list[str]]:

@@ -452,10 +452,53 @@ def _batched_section(b: dict) -> list[str]:
     return out + [""]
 
 
+def _gain_strength_section(g: dict) -> list[str]:
+    """The gain against drafter strength (``gain_vs_strength.json``): per configuration, on average over the
+    benchmarks at each temperature, tau(dFlash) and the two ratios with their intervals; the trend line."""
+    temps = g["temperatures"]
+    out = [f"**The refiner's gain against the drafter's strength** (`gain_vs_strength.json`, `{g['command']}`): "
+           f"{len(g['configurations'])} trained configurations x {len(g['benchmarks'])} benchmarks x "
+           f"{g['prompts_per_benchmark']} prompts, full block ({g['draft_tokens']} drafts), T = 0 replayed and "
+           f"T = {temps[-1]:g} decoded; tau(dFlash) and tau(xPress) / tau(dFlash) [95% interval], / tau(Markov), "
+           f"on average over the benchmarks; {_where(g['provenance'], rev=True)}.", "",
+           "| configuration | domain | answer tokens | co-training steps | "
+           + " | ".join(f"T = {t:g}: tau(dFlash), xPress/dFlash, xPress/Markov" for t in temps) + " |",
+           "|---|---|---|---|" + "---|" * len(temps)]
+    cells = {(p["configuration"], p["temperature"]): p for p in g["points"] if p["bench"] == "avg"}
+    for c in g["configurations"]:
+        m = c["made"]
+        row = []
+        for t in temps:
+            p = cells.get((c["name"], float(t)))
+            row.append("-" if p is None else f"{p['tau_dflash']:.2f}, {p['ratio_dflash']:.3f} [{p['lo_dflash']:.3f}, "
+                                             f"{p['hi_dflash']:.3f}], {_num(p.get('ratio_markov'), '.3f')}")
+        out.append(f"| {c['name']} | {m['domain']} | {_num(m.get('train_response_tokens'), ',')} | "
+                   f"{m['cotrain_steps']} of {m['cotrain_steps_of']} | " + " | ".join(row) + " |")
+    finals = [p for p in g["points"] if any(c["name"] == p["configuration"] and c["made"]["cotrain_steps"] ==
+                                            c["made"]["cotrain_steps_of"] for c in g["configurations"])]
+    if finals:
+        out += ["", "Per benchmark, each preset's trained drafters (its last co-training step): tau dFlash / Markov / "
+                    "xPress and the ratios [95% interval]:", "",
+                "| configuration | T | benchmark | prompts | tau dFlash / Markov / xPress | xPress / dFlash | xPress / Markov |",
+                "|---|---|---|---|---|---|---|"]
+        for p in finals:
+            out.append(f"| {p['configuration']} | {p['temperature']:g} | {p['bench']} | {p['prompts']} | "
+                       f"{_num(p.get('tau_dflash'))} / {_num(p.get('tau_markov'))} / {_num(p.get('tau_xpress'))} | "
+                       f"{p['ratio_dflash']:.3f} [{p['lo_dflash']:.3f}, {p['hi_dflash']:.3f}] | "
+                       + ("-" if p.get("ratio_markov") is None else
+                          f"{p['ratio_markov']:.3f} [{p['lo_markov']:.3f}, {p['hi_markov']:.3f}]") + " |")
+    trends = [t for t in g.get("trend", []) if t["baseline"] == "dflash" and t["spearman"] is not None]
+    if trends:
+        out += ["", "Over the per-benchmark points, tau(xPress) / tau(dFlash) against tau(dFlash): " + "; ".join(
+            f"T = {t['temperature']:g}: Spearman {t['spearman']:+.2f} (p = {t['p_value']:.2g}, {t['points']} points), "
+            f"slope {t['slope_per_tau']:+.3f} per unit of tau" for t in trends) + "."]
+    return out + [""]
+
+
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
 STUDY_FILES = ("oracle_ceiling.json", "levers.json", "generalisation.json", "resolution.json", "draft_length.json",
                "regen_speed.json", "anchor_bias.json", "train_speed.json", "vocab_reach.json", "draft_temperature.json",
-               "batch_cache.json")
+               "batch_cache.json", "gain_vs_strength.json")
 
 
 def _study_files(preset: str) -> tuple[str, ...]:
@@ -563,6 +606,9 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     dl = _load(folder, "draft_length.json")
     if dl:
         out += _draft_length_section(dl)
+    gain = _load(folder, "gain_vs_strength.json")
+    if gain:
+        out += _gain_strength_section(gain)
     ab = _load(folder, "anchor_bias.json")
     if ab:
         out += _anchor_bias_section(ab)

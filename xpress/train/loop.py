@@ -455,6 +455,8 @@ COTRAINING_ONLY = ("steps", "consistency_weight", "anchor_weight_start", "anchor
 # train keys added after checkpoints were first signed, and the value that reproduces what ran before them: at
 # that value a key is left out of the signature, so those checkpoints still continue their stages
 UNSIGNED_AT = {"loss_kernel": "torch", "attention_kernel": "torch"}
+# train keys that change nothing a stage computes, never signed
+UNSIGNED = ("snapshot_steps",)
 
 
 def kernels_ran(train_cfg, device) -> dict[str, str]:
@@ -475,7 +477,7 @@ def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str 
     as passed, as checkpoints written before 2026-12-05 were signed (still accepted). Keys of :data:`UNSIGNED_AT`
     at their earlier value are left out."""
     train, head = asdict(cfg.train), asdict(cfg.head)
-    train = {k: v for k, v in train.items() if k not in UNSIGNED_AT or UNSIGNED_AT[k] != v}
+    train = {k: v for k, v in train.items() if k not in UNSIGNED and (k not in UNSIGNED_AT or UNSIGNED_AT[k] != v)}
     if method == "dflash" and init is None and not every_key:
         train = {k: v for k, v in train.items() if k not in COTRAINING_ONLY}
         head = None
@@ -488,6 +490,11 @@ def stage_signature(cfg: Config, stage: str, method: str, steps: int, init: str 
 
 def checkpoint_dir(cfg: Config, stage: str) -> Path:
     return paths.CHECKPOINTS / cfg.preset / stage
+
+
+def snapshot_dir(cfg: Config, stage: str, step: int) -> Path:
+    """Where ``train.snapshot_steps`` keeps the stage's drafter and head at ``step``."""
+    return paths.CHECKPOINTS / cfg.preset / f"{stage}-step{step}"
 
 
 def read_state(folder: Path) -> dict | None:
@@ -792,6 +799,9 @@ class _StageRun:
                                         tok_s=f"{row['tokens_per_s']:.0f}")
                     if self.main and step % t.checkpoint_every == 0 and step < end:
                         self.save(step)
+                    if self.main and step in t.snapshot_steps and self.stage != WARM_START:
+                        save_drafter(snapshot_dir(self.cfg, self.stage, step), self.module.drafter,
+                                     self.module.head, self.vocab, self.method)
             except KeyboardInterrupt:
                 interrupted = True
             finally:
