@@ -2,6 +2,7 @@
 finds under checkpoints/, and one smoke run whose T = 0 replay equals decoding."""
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -52,6 +53,13 @@ def test_configurations_are_the_snapshots_and_finals_all_three_methods_have(tmp_
     assert [c.made["cotrain_steps"] for c in found] == [first, t.steps]
     assert found[0].folders["xpress"] == tmp_path / "cpu" / f"xpress-step{first}"
     assert found[1].made["domain"] == "general" and found[1].made["warm_start_steps"] == t.warm_start_steps
+    for m in gs.METHODS:  # a co-training lever all three methods have is one more; one only dflash has is not
+        _checkpoint(tmp_path / "cpu" / "levers" / m / "base-3600steps")
+    _checkpoint(tmp_path / "cpu" / "levers" / "dflash" / "train.gamma=2-1500steps")
+    lever = gs.configurations(["cpu"])[-1]
+    assert lever.name == "cpu lever base-3600steps" and lever.made["cotrain_steps"] == 3600
+    assert lever.folders["markov"] == tmp_path / "cpu" / "levers" / "markov" / "base-3600steps"
+    shutil.rmtree(tmp_path / "cpu" / "levers")
     (tmp_path / "cpu" / "dflash" / "train_state.json").write_text(json.dumps({"complete": False}))
     assert [c.made["cotrain_steps"] for c in gs.configurations(["cpu"])] == [first]  # an unfinished stage is not one
     with pytest.raises(gs.StrengthError, match="python -m xpress train --preset cpu-math"):

@@ -474,8 +474,9 @@ def _gain_strength_section(g: dict) -> list[str]:
                                              f"{p['hi_dflash']:.3f}], {_num(p.get('ratio_markov'), '.3f')}")
         out.append(f"| {c['name']} | {m['domain']} | {_num(m.get('train_response_tokens'), ',')} | "
                    f"{m['cotrain_steps']} of {m['cotrain_steps_of']} | " + " | ".join(row) + " |")
-    finals = [p for p in g["points"] if any(c["name"] == p["configuration"] and c["made"]["cotrain_steps"] ==
-                                            c["made"]["cotrain_steps_of"] for c in g["configurations"])]
+    finals = [p for p in g["points"] if any(c["name"] == p["configuration"] and "lever" not in c["made"] and
+                                            c["made"]["cotrain_steps"] == c["made"]["cotrain_steps_of"]
+                                            for c in g["configurations"])]
     if finals:
         out += ["", "Per benchmark, each preset's trained drafters (its last co-training step): tau dFlash / Markov / "
                     "xPress and the ratios [95% interval]:", "",

@@ -60,8 +60,8 @@ class Configuration:
 
 def configurations(presets: Sequence[str]) -> list[Configuration]:
     """The trained configurations of ``presets``: per preset, each step of ``train.snapshot_steps`` whose
-    snapshots of all three methods exist, and the preset's final checkpoints when all three stages are
-    complete. A preset with no complete configuration is a :class:`StrengthError` naming the command that
+    snapshots of all three methods exist, the preset's final checkpoints when all three stages are complete,
+    and its co-training levers (:func:`lever_configurations`). A preset with no complete configuration is a :class:`StrengthError` naming the command that
     trains it."""
     from ..config import load_config
     from ..train.loop import checkpoint_dir, read_state, snapshot_dir
@@ -78,6 +78,7 @@ def configurations(presets: Sequence[str]) -> list[Configuration]:
             if not all((f / "config.json").is_file() for f in folders.values()):
                 continue
             found.append(Configuration(f"{preset} @ {step} steps", preset, folders, made_by(cfg, step)))
+        found += lever_configurations(cfg)
         if not found:
             raise StrengthError(f"no trained configuration of preset {preset!r} under {paths.CHECKPOINTS / preset}: "
                                 f"train it with `for m in {' '.join(METHODS)}; do python -m xpress train --preset "
@@ -86,7 +87,25 @@ def configurations(presets: Sequence[str]) -> list[Configuration]:
     return out
 
 
-def made_by(cfg: Config, step: int) -> dict[str, Any]:
+def lever_configurations(cfg: Config) -> list[Configuration]:
+    """The co-training levers that ``make studies`` trained for all three methods from the preset's warm start
+    (``checkpoints/<preset>/levers/<method>/<lever>-<N>steps/``, :mod:`xpress.studies.levers`), one configuration
+    each, named by the lever."""
+    import re
+
+    root = paths.CHECKPOINTS / cfg.preset / "levers"
+    names = [{p.name for p in (root / m).iterdir() if (p / "config.json").is_file()} if (root / m).is_dir() else set()
+             for m in METHODS]
+    out = []
+    for name in sorted(set.intersection(*names)):
+        hit = re.fullmatch(r"(.+)-(\d+)steps", name)
+        steps = int(hit[2]) if hit else None
+        made = {**made_by(cfg, steps), "cotrain_steps_of": steps, "lever": hit[1] if hit else name}
+        out.append(Configuration(f"{cfg.preset} lever {name}", cfg.preset, {m: root / m / name for m in METHODS}, made))
+    return out
+
+
+def made_by(cfg: Config, step: int | None) -> dict[str, Any]:
     """How a configuration's drafters were made: the domain and sources of its training prompts, the answer
     tokens regenerated for them (``results/<preset>/regen_manifest.json``, None without it), the shared
     warm start's steps and the co-training steps (of ``train.steps``) each method had."""
@@ -261,6 +280,7 @@ def run_gain_strength(cfg: Config, target, presets: Sequence[str], per_benchmark
 
     from tqdm.auto import tqdm
 
+    from ..drafter import CheckpointNotFoundError, DrafterMismatchError
     from ..methods import make_drafter
     from ..utils import write_result
     from .compare import LoadRecord, benchmark_prompts
@@ -283,10 +303,14 @@ def run_gain_strength(cfg: Config, target, presets: Sequence[str], per_benchmark
     prompts = benchmark_prompts(cfg, target, per_benchmark)
     replays = [prepare_replay(target, p["ids"], max_new_tokens)
                for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)]
-    results = []
+    results, skipped = [], []
     for c in tqdm(found, desc="configurations", unit="config", disable=not progress):
-        drafters = {m: make_drafter(m, full, target, seed=cfg.seed, checkpoint=c.folders[m],
-                                    untrained_ok=untrained_ok) for m in METHODS}
+        try:
+            drafters = {m: make_drafter(m, full, target, seed=cfg.seed, checkpoint=c.folders[m],
+                                        untrained_ok=untrained_ok) for m in METHODS}
+        except (DrafterMismatchError, CheckpointNotFoundError) as e:  # e.g. a lever of another block size
+            skipped.append({"name": c.name, "why": str(e)})
+            continue
         rows, k_rows = _t0_rows(drafters, replays, prompts, ks, cfg.head.max_iters)
         rows += _sampled_rows(target, drafters, prompts, max_new_tokens, e.resolution_batch_size,
                               e.sampling_temperature, cfg.seed)
@@ -302,7 +326,7 @@ def run_gain_strength(cfg: Config, target, presets: Sequence[str], per_benchmark
               "draft_tokens": cfg.drafter.block_size - 1, "max_iters": cfg.head.max_iters, "ks": list(ks),
               "benchmarks": list(cfg.data.benchmarks), "prompts_per_benchmark": per_benchmark,
               "max_new_tokens": max_new_tokens, "temperatures": [0.0, e.sampling_temperature], "seed": cfg.seed,
-              "bootstrap_resamples": e.bootstrap, "configurations": results, "points": table,
+              "bootstrap_resamples": e.bootstrap, "configurations": results, "skipped": skipped, "points": table,
               "trend": trend(table, "dflash") + trend(table, "markov"), "warnings": load.stop(),
               "seconds": time.perf_counter() - t0,
               "command": f"python -m xpress.studies.gain_strength --preset {cfg.preset} --configs {','.join(presets)} "
