@@ -101,7 +101,7 @@ def test_revisions_appear_only_where_they_name_the_run():
 def test_generated_sections_agree_with_the_result_files():
     from xpress import report
 
-    for preset in ("cpu", "qwen3-8b"):
+    for preset in ("cpu", "cpu-math", "qwen3-8b"):
         assert report.stale(preset) == [], f"run `python -m xpress report --preset {preset}`"
 
 
