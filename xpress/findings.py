@@ -191,6 +191,11 @@ def gain_strength(preset: str) -> str:
     r = load_result(preset, "gain_vs_strength")
     if not r or not r.get("points"):
         return f"No results/{preset}/gain_vs_strength.json: run `make studies` (xpress.studies.gain_strength)."
+    return gain_strength_text(r)
+
+
+def gain_strength_text(r: dict) -> str:
+    """:func:`gain_strength`'s text from the file's contents ``r`` (also the report's, under its table)."""
     confs = r["configurations"]
     lines = [f"{_n(len(confs), 'trained configuration')}, each decoded on {_n(r['prompts_per_benchmark'], 'prompt')} of each of "
              f"{', '.join(r['benchmarks'])} with the full block ({r['draft_tokens']} drafts): "

@@ -493,7 +493,10 @@ def _gain_strength_section(g: dict) -> list[str]:
         out += ["", "Over the per-benchmark points, tau(xPress) / tau(dFlash) against tau(dFlash): " + "; ".join(
             f"T = {t['temperature']:g}: Spearman {t['spearman']:+.2f} (p = {t['p_value']:.2g}, {t['points']} points), "
             f"slope {t['slope_per_tau']:+.3f} per unit of tau" for t in trends) + "."]
-    return out + [""]
+    from .findings import gain_strength_text
+
+    return out + ["", "What the file says (`xpress.findings.gain_strength`, also the end of notebook 07):", "",
+                  gain_strength_text(g), ""]
 
 
 # Files that `make studies` (or the command each names) writes, not `make reproduce`: each keeps its own revision.
