@@ -59,7 +59,7 @@ def test_overrides_from_cli_strings_and_papermill_dicts():
 @pytest.mark.parametrize("override", ["drafter.block_size=1", "head.max_iters=0", "decode.temperature=-1",
                                       "target.dtype=int8", "target.source=ftp", "drafter.block_size=2.5",
                                       "drafter.block_size=abc", "data.regen_engine=paged",
-                                      "train.snapshot_steps=[0]", "train.snapshot_steps=[100000]"])
+                                      "train.snapshot_steps=[0]", "train.snapshot_steps=[2.5]"])
 def test_bad_values_are_rejected_with_the_key_named(override):
     with pytest.raises(ConfigError) as e:
         load_config("smoke", [override])

@@ -143,7 +143,8 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute each drafter layer in backward instead of keeping its activations
     # co-training steps at which a loadable copy of the drafter and head is kept beside the stage
     # (checkpoints/<preset>/<stage>-step<N>/, no optimiser): the co-training-steps points of
-    # xpress.studies.gain_strength. Not signed: a snapshot changes nothing the stage computes
+    # xpress.studies.gain_strength; steps at or past train.steps are left out. Not signed: a snapshot changes
+    # nothing the stage computes
     snapshot_steps: list[int] = field(default_factory=list)
 
 
@@ -277,9 +278,9 @@ class Config:
         _check(self.train.lr > 0 and self.train.steps >= 0, "train.lr must be > 0 and train.steps >= 0")
         _check(0 <= self.train.warmup_frac < 1, "train.warmup_frac must be in [0, 1)")
         _check(self.train.gamma > 0, "train.gamma must be positive")
-        _check(all(0 < n < self.train.steps for n in self.train.snapshot_steps),
-               f"train.snapshot_steps={self.train.snapshot_steps} must lie strictly between 0 and train.steps="
-               f"{self.train.steps} (the final step is the stage's own checkpoint)")
+        _check(all(isinstance(n, int) and n > 0 for n in self.train.snapshot_steps),
+               f"train.snapshot_steps={self.train.snapshot_steps} must list positive steps (those at or past "
+               f"train.steps are left out: the final step is the stage's own checkpoint)")
         _check(self.decode.temperature >= 0, "decode.temperature must be >= 0 (0 = greedy)")
         _check(self.decode.max_new_tokens >= 1, "decode.max_new_tokens must be at least 1")
         _check(self.eval.prompts_per_benchmark >= 1 and self.eval.max_new_tokens >= 1,

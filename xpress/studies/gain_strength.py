@@ -70,7 +70,7 @@ def configurations(presets: Sequence[str]) -> list[Configuration]:
     for preset in presets:
         cfg = load_config(preset)
         found = []
-        for step in [*cfg.train.snapshot_steps, cfg.train.steps]:
+        for step in [*(n for n in cfg.train.snapshot_steps if n < cfg.train.steps), cfg.train.steps]:
             final = step == cfg.train.steps
             folders = {m: checkpoint_dir(cfg, m) if final else snapshot_dir(cfg, m, step) for m in METHODS}
             if final and not all((read_state(f) or {}).get("complete") for f in folders.values()):

@@ -799,7 +799,7 @@ class _StageRun:
                                         tok_s=f"{row['tokens_per_s']:.0f}")
                     if self.main and step % t.checkpoint_every == 0 and step < end:
                         self.save(step)
-                    if self.main and step in t.snapshot_steps and self.stage != WARM_START:
+                    if self.main and step in t.snapshot_steps and step < self.steps and self.stage != WARM_START:
                         save_drafter(snapshot_dir(self.cfg, self.stage, step), self.module.drafter,
                                      self.module.head, self.vocab, self.method)
             except KeyboardInterrupt:
