@@ -73,7 +73,7 @@ studies: setup
 	$(BIN)/python -m xpress.studies.gain_strength --preset $(MATH_PRESET) --configs $(MATH_PRESET) --prompts 48
 	$(BIN)/python -m xpress.studies.resolution --preset $(MATH_PRESET)
 	$(BIN)/python -m xpress.studies.table1 --preset $(MATH_PRESET)
-	$(BIN)/python -m xpress.studies.gain_strength --preset $(PRESET) --configs $(PRESET),$(MATH_PRESET) --prompts 16
+	$(BIN)/python -m xpress.studies.gain_strength --preset $(PRESET) --configs $(PRESET),$(MATH_PRESET) --prompts 12
 
 test: setup
 	XPRESS_PRESET=smoke XPRESS_RESULTS=$(CURDIR)/.cache/test-results XPRESS_CHECKPOINTS=$(CURDIR)/.cache/test-checkpoints \
