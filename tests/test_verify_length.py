@@ -1,5 +1,5 @@
-"""``decode.draft_tokens=auto`` (xpress.verify_length): each row's verify length from the refined block's
-confidence and the measured cost of a verify. The rule's arithmetic, the config switch, the per-row lengths
+"""``decode.draft_tokens=auto`` (xpress.verify_length): each row's verify length from the drafter's
+confidence and the measured cost of a round. The rule's arithmetic, the config switch, the per-row lengths
 in greedy verification, the calibration, and the output at T = 0 equal to greedy AR for every method, batch
 1 and ragged batches. The T > 0 distribution tests are in tests/test_sampling.py (a length chosen from each
 position's distribution passes; one that reads the drawn token fails)."""
@@ -33,6 +33,8 @@ def test_the_stopping_rule():
     steeper = VerifyCosts(0.0, tuple(1.0 + 0.1 * i for i in range(4)))
     assert draft_lengths(c, steeper).tolist() == [3, 1, 2]
     assert draft_lengths(c, VerifyCosts(0.0, (1.0, 1.0))).tolist() == [1, 1, 1]  # the costs cover one draft
+    # refining costs 0.1 per position and verifies are free: the same as the steeper verifies above
+    assert draft_lengths(c, VerifyCosts((0.1, 0.2, 0.3), (0.9,) * 4)).tolist() == [3, 1, 2]
     with pytest.raises(ValueError, match="verify_s"):
         VerifyCosts(0.0, (1.0, 0.0))
 
@@ -64,7 +66,8 @@ def _auto(cfg, target, method, costs=None):
 def test_calibration_measures_every_verify_length(cfg, target):
     drafter = _auto(cfg, target, "xpress")
     c = drafter.verify_costs  # make_drafter calibrated it
-    assert isinstance(c, VerifyCosts) and len(c.verify_s) == cfg.drafter.block_size and c.draft_s > 0
+    B = cfg.drafter.block_size
+    assert isinstance(c, VerifyCosts) and len(c.verify_s) == B and len(c.draft_s) == B - 1 and min(c.draft_s) > 0
     assert all(v > 0 for v in c.verify_s) and c.source.startswith("calibrate")
     again = calibrate(target, drafter, repeats=1)
     assert again.verify_s == c.verify_s  # the verify times are measured once per target and block size

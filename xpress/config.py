@@ -184,7 +184,7 @@ class DecodeConfig:
     # drafted tokens a speculative round verifies: the first k of the drafter's B - 1 (0 = all of them). A
     # verify of k + 1 rows costs less than one of B rows where the target's forward is compute-bound (a CPU);
     # tau then counts at most k + 1 tokens a round (studies.draft_length measures the trade). auto: k chosen
-    # each round from the refined block's confidence and the measured cost of a k-row verify (xpress.verify_length)
+    # each round from the drafter's confidence and the measured cost of refining and verifying k (xpress.verify_length)
     draft_tokens: int | str = 0
     # the compiled harness (xpress.compiled; docs/gpu.md "The compiled Table 1 harness"): the transformers
     # target's forward on a static KV cache of static_cache_len columns, torch.compile'd for its fixed shapes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -25,7 +25,7 @@ from . import paths
 from .drafter import CheckpointNotFoundError, ContextCache, DFlashConfig, DFlashDraftModel, DrafterMismatchError
 from .heads import FoldedRefiner, MarkovHead, XPressRefiner
 from .jacobi import (RefineResult, corrected_logits, distribution, gumbel_noise, jacobi_refine, jacobi_refine_one,
-                     jacobi_rollout, prev_tokens, select, sequential_refine)
+                     jacobi_rollout, select, sequential_refine)
 from .protocol import Draft
 from .utils import atomic_dir, atomic_save_safetensors, atomic_write_json, stage_clock
 from .config import AUTO, parse_draft_tokens
@@ -60,7 +60,7 @@ class ModelDrafter:
     ``draft_tokens``: k, how many of the B - 1 drafted tokens :meth:`propose` returns (the first k; 0 = all;
     ``cfg.decode.draft_tokens``). The block is drafted whole and refined only as far as its first k positions
     need (both heads are causal), so the k tokens and their ``q`` are those of the full draft. ``"auto"``:
-    the whole block is refined and k is chosen per round from its confidence and ``verify_costs``
+    k is chosen per round and row from the drafter's base distribution and ``verify_costs``, before refining
     (:mod:`xpress.verify_length`; set by :func:`build_drafter` / :func:`new_drafter` from a calibration).
     """
 
@@ -139,41 +139,26 @@ class ModelDrafter:
         if self.context is None:
             raise RuntimeError("call reset() before propose()")
         sw = stage_clock(self.device)  # on CUDA: event spans, read back by the caller
+        stats: dict[str, Any] = {}
         with sw("draft"):
             h, base = (self.compiled_draft or self.draft_block)(anchor, anchor_pos, self.context,
                                                                 self.draft_tokens)  # [b, P, H], [b, k, Vd]
-        with sw("refine"):
-            result = self.refine_block(h, base, anchor, temperature, generator)
-            stats = {"iters": result.iters}
-            if self.auto:  # the verify length from the refined block's confidence: its first k tokens
+            if self.auto:  # the verify length from the drafter's confidence, before any token is drawn
                 if self.verify_costs is None:
                     raise RuntimeError("decode.draft_tokens=auto needs verify_costs (xpress.verify_length.calibrate)")
-                lengths = draft_lengths(self.confidence(h, base, anchor, result), self.verify_costs)  # [b]
-                k = int(lengths.max())
-                result = RefineResult(result.tokens[:, :k], None if result.q is None else result.q[:, :k],
-                                      result.iters)
+                t = temperature if temperature > 0 else 1.0
+                confidence = torch.softmax(base.float() / t, dim=-1).amax(-1)  # [b, P]
+                lengths = draft_lengths(confidence, self.verify_costs)  # [b]
+                base = base[:, :int(lengths.max())]  # [b, k, Vd]: only these positions are refined
                 stats["draft_k"] = lengths
+        with sw("refine"):
+            result = self.refine_block(h, base, anchor, temperature, generator)
+            stats["iters"] = result.iters
         with sw("draft"):
             tokens = self.vocab.to_target(result.tokens)
             q = None if result.q is None else self.vocab.to_target_probs(result.q)
-        ragged = self.auto and bool((lengths < k).any())  # rows that verify fewer than the block's k drafts
+        ragged = self.auto and bool((lengths < base.shape[1]).any())  # rows that verify fewer than the block's k
         return Draft(tokens=tokens, q=q, timings=sw.pop(), stats=stats, lengths=lengths if ragged else None)
-
-    def confidence(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
-                   result: RefineResult) -> torch.Tensor:
-        """[b, P] the largest probability of the refined distribution at each position (draft ids
-        ``result.tokens`` [b, P]): of ``q`` where the tokens were drawn from it (T > 0), else of the refined
-        logits' softmax at temperature 1 (the base logits for dflash; base + the head's correction given the
-        drafted prefix), which at T = 0 is the drafted token's. Position i's value depends on the tokens before
-        it only (both heads are causal): what keeps the chosen length lossless (xpress.verify_length)."""
-        if result.q is not None:
-            return result.q.amax(-1)
-        logits = base
-        if self.method != "dflash":
-            tokens = result.tokens
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-            logits = corrected_logits(base, self.head.fold(h))(prev_tokens(anchor, tokens, self.vocab), rows)
-        return torch.softmax(logits.float(), dim=-1).amax(-1)
 
     def refine_block(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, temperature: float,
                      generator: torch.Generator | None = None) -> RefineResult:

@@ -64,7 +64,7 @@ def _table1_section(t1: dict) -> list[str]:
            + ("" if "draft_tokens" not in t1 else
               f"block size {t1['block_size']}, each round verifying the anchor and "
               + (f"{t1['draft_tokens']} drafted tokens " if t1["draft_tokens"] != "auto" else
-                 "a number of drafted tokens chosen per round from the refined confidence ")
+                 "a number of drafted tokens chosen per round from the drafter's confidence ")
               + "(`decode.draft_tokens`), ")
            + f"AR and the methods interleaved per prompt; T = 0: median "
            f"of {t1['repeats']} timed passes (speedup range in brackets), every output equal to AR's: {t1['lossless_t0']}; "

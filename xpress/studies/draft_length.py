@@ -1,6 +1,6 @@
 """How many drafted tokens a round should verify, measured end to end at T = 0:
 ``python -m xpress.studies.draft_length --preset cpu`` (k = 1, 2, 3 and the whole block; ``--draft-tokens
-1,2,3,4,5,0,auto`` chooses others; ``auto`` picks k each round from the refined block's confidence,
+1,2,3,4,5,0,auto`` chooses others; ``auto`` picks k each round from the drafter's confidence,
 :mod:`xpress.verify_length`).
 
 A speculative round verifies the anchor and ``k`` drafted tokens in one target forward of ``k + 1`` rows
