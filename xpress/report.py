@@ -623,7 +623,8 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     lat = _load(folder, "latency.json")
     if lat:
         out += _latency_section(lat)
-    out += _gpu_section(folder)
+    if _markers(preset)[0] in README.read_text():  # the GPU files sit beside the README's own preset only
+        out += _gpu_section(folder)
     batched = _load(folder, "batched.json")
     if batched:
         out += _batched_section(batched)
