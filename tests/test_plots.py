@@ -249,12 +249,13 @@ def test_report_says_which_run_wrote_the_files_and_names_every_file_from_another
 def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_are_missing(results):
     from xpress.report import results_markdown
 
-    assert "**GPU latency (H200)**: not measured yet" in results_markdown("p", results)
+    assert "**GPU latency (H200)**: not measured yet" in results_markdown("p", results, gpu=True)
+    assert "GPU latency" not in results_markdown("p", results)  # by default beside the README's own preset only
     t = {"markov": {"median_ms": 0.6}, "xpress K=4": {"median_ms": 0.3}}
     (results.parent / "h200").mkdir()
     write(results.parent / "h200", "latency", {"shape_sets": {"paper": {"timings": t}}, "provenance": {
         "machine": {"gpu": "NVIDIA H200", "cpu_model": "some cpu"}, "git_revision": "abcdef0", "date": "2026-12-01"}})
-    text = results_markdown("p", results)
+    text = results_markdown("p", results, gpu=True)
     assert "NVIDIA H200" in text and "not measured yet" not in text
     assert "| paper | xpress K=4 | xpress K=4 | 0.3 | 0.500 | 379 | 0.631 |" in text
     assert "lossless on the GPU" not in text
@@ -266,12 +267,12 @@ def test_report_shows_the_gpu_latencies_beside_the_papers_table3_or_says_they_ar
         "preset": "qwen3-tiny", "runtime": {"dtype": "bfloat16", "frame_rows": 64}, "n_prompts": 8, "mismatched_prompts": ["a"],
         "tau": 15.5, "verify_cost": {"block_size": 16, "loop_ratio": 1.01}, "ar_tokens_per_s": 100.0,
         "compare": {"generate": {"tokens_per_s": 90.0}, "generate_static": {"tokens_per_s": 600.0}}, "provenance": prov})
-    text = results_markdown("p", results)
+    text = results_markdown("p", results, gpu=True)
     assert "Markov / xPress K=4 = 0.60x (range 0.50-0.70 over paired rounds)" in text
     assert "a 1-token step 40.0 ms, a 16-token verify 50.0 ms (1.25x)" in text
     t.update({"target step (1 token, frames of 64)": {"median_ms": 42.0}, "target verify (16 tokens, frames of 64)": {"median_ms": 63.0}})
     write(results.parent / "h200", "latency", {"shape_sets": {"paper": {"timings": t, "shapes": {"block_size": 16}}}, "provenance": prov})
-    assert "on frames of 64 positions (`target.frame_rows`): step 42.0 ms, verify 63.0 ms (1.50x)" in results_markdown("p", results)
+    assert "on frames of 64 positions (`target.frame_rows`): step 42.0 ms, verify 63.0 ms (1.50x)" in results_markdown("p", results, gpu=True)
     assert ("transformers forward on 64-position frames: 7 of 8 prompts equal to greedy AR with the oracle drafter "
             "(tau 15.5); a 16-token verify 1.01x a step; AR 100 tokens/s") in text
 

@@ -594,9 +594,10 @@ def _drafters_sentence(folder: Path) -> list[str]:
     return out
 
 
-def results_markdown(preset: str, folder: Path | None = None) -> str:
+def results_markdown(preset: str, folder: Path | None = None, gpu: bool | None = None) -> str:
     """The README section for ``preset`` from the repository's ``results/<preset>/`` (what exists of it;
-    the README describes the committed results, whatever ``$XPRESS_RESULTS`` says)."""
+    the README describes the committed results, whatever ``$XPRESS_RESULTS`` says). ``gpu``: whether the GPU
+    files (``results/h200/``) are shown too; default only for the preset whose results README.md holds."""
     folder = folder or paths.REPO_ROOT / "results" / preset
     out: list[str] = _origin_section(preset, folder)
     t1 = _load(folder, "table1.json")
@@ -623,7 +624,7 @@ def results_markdown(preset: str, folder: Path | None = None) -> str:
     lat = _load(folder, "latency.json")
     if lat:
         out += _latency_section(lat)
-    if _markers(preset)[0] in README.read_text():  # the GPU files sit beside the README's own preset only
+    if gpu or (gpu is None and _markers(preset)[0] in README.read_text()):
         out += _gpu_section(folder)
     batched = _load(folder, "batched.json")
     if batched:
