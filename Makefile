@@ -45,9 +45,9 @@ reproduce: setup
 # start, xPress and dFlash each; HEAD_STEPS: the same base recipe co-trained longer, each of HEAD_METHODS (the
 # co-training-steps curve). The math domain (configs/cpu-math.yaml: the target's answers to GSM8K and MATH train
 # prompts only): its data and drafters (and each method co-trained MATH_HEAD_STEPS steps, the steps curve's far
-# point: about 55 min more on 2 cores; MATH_HEAD_STEPS= skips it), tau at the full block on 48 prompts of each test set (T = 0 and 1), the
-# ratios at the preset's verify length, Table 1 against AR; then the refiner's gain against the drafter's strength
-# over every trained configuration of both presets (gain_vs_strength.json).
+# point: about 40 min more on 2 cores; MATH_HEAD_STEPS= skips it), tau at the full block on 48 prompts of each
+# test set (T = 0 and 1), the ratios at the preset's verify length, Table 1 against AR; then the refiner's gain
+# against the drafter's strength over every trained configuration of both presets (gain_vs_strength.json).
 LEVER_STEPS ?= 2800
 LEVERS ?= base train.train_sequences=300 train.train_sequences=600 drafter.block_size=16 drafter.num_layers=1 \
 	train.anchors_per_seq=32 train.tv_weight=0
