@@ -828,10 +828,11 @@ def glance_markdown(preset: str, folder: Path | None = None) -> str:
                      + f"x (Table 2, batch 16, average of {len(paper_b['dflash'])} benchmarks, vLLM)") if paper_b else "-"
         speeds = " / ".join(f"{rows[m]['speedup']:.2f}" for m in bm)
         same = ", ".join(f"{names.get(m, 'AR')} {100 * rows[m]['same_as_ar_b1']:.0f}%" for m in ["ar", *bm] if m in rows)
-        rowkv = [r for r in (_load(folder, "batch_cache.json") or {}).get("table", []) if r["cache"] == "rows"]
+        cache = _load(folder, "batch_cache.json") or {}
+        rowkv = [r for r in cache.get("table", []) if r["cache"] == "rows"]
         since = "" if not rowkv else (
             f"; batched AR with one cache row per sequence (`batch_cache.json`, git "
-            f"{_load(folder, 'batch_cache.json')['provenance'].get('git_revision', '?')[:7]}): "
+            f"{cache['provenance'].get('git_revision', '?')[:7]}): "
             + ", ".join(f"{100 * r['same_as_ar_b1']:.0f}% at batch {r['batch_size']}" for r in rowkv))
         out.append(f"| speed over AR, {' / '.join(names[m] for m in bm)}, batch {big} (greedy, {batched['n_prompts']} "
                    f"prompts) | {speeds}x; outputs equal to "

@@ -23,9 +23,8 @@ from the ``q`` the verifier is given. A rule that read a drawn token's own proba
 At T = 0 every k gives greedy AR's tokens.
 
 Why the base distribution and not the refined one: reading the refined block's confidence needs the whole
-block refined first, plus a readout of its corrected logits. On the Xeon of ``results/cpu/draft_length.json``'s
-earlier run that cost more than the choice saved (xPress 0.96x its best fixed k; the log in
-docs/log/2026-12-strength.md). For dFlash the two are the same distribution.
+block refined first, plus a readout of its corrected logits, which is the cost a shorter verify is meant to
+save (docs/log/2026-12-strength.md has the measurement). For dFlash the two are the same distribution.
 
 ``V`` and ``D`` are measured once per target and drafter on the machine that decodes (:func:`calibrate`:
 medians of interleaved repeats at a context of 256 tokens), and every study that decodes with ``auto``
